@@ -1,0 +1,278 @@
+"""Amazon S3 and S3-compatible stores (MinIO, Ceph RGW, ...) through boto3.
+
+Concurrency: one boto3 client is shared by every worker thread (clients are thread-safe,
+sessions are not). Calls run in ``trio.to_thread.run_sync`` under one CapacityLimiter sized to
+``max_connections``, and botocore's HTTP pool is sized to match, so no thread ever waits for a
+connection inside botocore (its default pool is only 10).
+
+Retries: botocore's "standard" mode retries throttling, 5xx and connection errors with
+exponential backoff and jitter; this module adds only the one case botocore cannot see, a body
+that ends early, so there is one retry layer per failure kind.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import logging
+import os
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+import boto3
+import botocore.exceptions
+import trio
+from botocore import UNSIGNED
+from botocore.config import Config
+
+from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.config import S3Options, redact_url
+from objfs.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    EndpointUnreachableError,
+    NoCredentialsError,
+    ObjectNotFoundError,
+    ObjfsError,
+    StaleObjectError,
+    TransientStoreError,
+    UsageError,
+)
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3.client import S3Client
+
+log = logging.getLogger(__name__)
+
+# Attempts for a body that ends early or a connection that drops mid-body.
+_BODY_ATTEMPTS = 3
+# Attempts for the pre-mount check: fail a bad endpoint in seconds, not after a long backoff.
+_CHECK_ATTEMPTS = 2
+
+_ACCESS_CODES = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
+_CREDENTIAL_CODES = {
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "InvalidToken",
+    "ExpiredToken",
+    "TokenRefreshRequired",
+    "InvalidClientTokenId",
+}
+_NETWORK_ERRORS = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.SSLError,
+    botocore.exceptions.ProxyConnectionError,
+)
+_CREDENTIAL_ERRORS = (
+    botocore.exceptions.NoCredentialsError,
+    botocore.exceptions.PartialCredentialsError,
+)
+_BODY_ERRORS = (
+    botocore.exceptions.IncompleteReadError,
+    botocore.exceptions.ReadTimeoutError,
+    botocore.exceptions.ResponseStreamingError,
+    botocore.exceptions.ConnectionClosedError,
+)
+
+
+def _mtime_ns(value: _dt.datetime) -> int:
+    return int(value.timestamp()) * 1_000_000_000 + value.microsecond * 1000
+
+
+class S3Backend(Backend):
+    def __init__(self, bucket: str, options: S3Options) -> None:
+        self.bucket = bucket
+        self.options = options
+        endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
+        self.endpoint = endpoint
+        where = redact_url(endpoint) if endpoint else "AWS"
+        self.description = f"s3://{bucket} at {where}"
+        if options.ca_bundle is not None and not os.path.isfile(options.ca_bundle):
+            raise UsageError(
+                f"--ca-bundle: {options.ca_bundle!r} is not a file: give the PEM file of the "
+                "CA that signed the endpoint's certificate"
+            )
+        try:
+            session = boto3.session.Session(profile_name=options.profile)
+        except botocore.exceptions.ProfileNotFound:
+            raise NoCredentialsError(
+                f"AWS profile {options.profile!r} not found: check --profile and "
+                "~/.aws/config (or AWS_CONFIG_FILE)"
+            ) from None
+        self._client = self._make_client(session, endpoint, options.max_attempts)
+        self._check_client = self._make_client(session, endpoint, _CHECK_ATTEMPTS)
+        self._limiter = trio.CapacityLimiter(options.max_connections)
+
+    def _make_client(
+        self, session: boto3.session.Session, endpoint: str | None, attempts: int
+    ) -> S3Client:
+        opts = self.options
+        config_kwargs: dict[str, Any] = {
+            "connect_timeout": opts.connect_timeout_s,
+            "read_timeout": opts.read_timeout_s,
+            "retries": {"mode": "standard", "max_attempts": attempts},
+            # +2: head and list requests run beside a full set of ranged GETs.
+            "max_pool_connections": opts.max_connections + 2,
+            "s3": {"addressing_style": "path" if opts.path_style() else "auto"},
+            "user_agent_extra": "objfs",
+        }
+        if opts.no_sign_request:
+            config_kwargs["signature_version"] = UNSIGNED
+        region = opts.region or session.region_name or ("us-east-1" if endpoint else None)
+        verify: str | None = opts.ca_bundle  # None: botocore's default (AWS_CA_BUNDLE or certifi)
+        try:
+            client: S3Client = session.client(
+                "s3",
+                endpoint_url=endpoint,
+                region_name=region,
+                config=Config(**config_kwargs),
+                verify=verify,
+            )
+        except ValueError as exc:  # botocore rejects a malformed endpoint URL this way
+            raise UsageError(
+                f"--endpoint-url: {redact_url(endpoint or '')!r} is not a valid URL ({exc}): "
+                "give it as http(s)://HOST[:PORT]"
+            ) from None
+        return client
+
+    # -- error mapping ---------------------------------------------------------------------
+
+    def _map_error(self, exc: Exception, what: str) -> ObjfsError:
+        """Turn a botocore exception into an objfs error; ``what`` names the request."""
+        if isinstance(exc, ObjfsError):
+            return exc
+        if isinstance(
+            exc,
+            botocore.exceptions.NoCredentialsError | botocore.exceptions.PartialCredentialsError,
+        ):
+            return NoCredentialsError(
+                "no AWS credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
+                "pass --profile, or use --no-sign-request for a public bucket"
+            )
+        if isinstance(exc, _NETWORK_ERRORS):
+            return EndpointUnreachableError(
+                f"cannot reach {self.description} ({type(exc).__name__}): check --endpoint-url, "
+                "the network and, for TLS, --ca-bundle"
+            )
+        if isinstance(exc, _BODY_ERRORS):
+            return TransientStoreError(f"{what}: connection failed ({type(exc).__name__})")
+        if isinstance(exc, botocore.exceptions.ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+            if code == "NoSuchBucket":
+                return BucketNotFoundError(
+                    f"bucket {self.bucket!r} does not exist at {self.description.split(' at ')[1]}"
+                    ": check the bucket name, --endpoint-url and --region"
+                )
+            if code in _CREDENTIAL_CODES:
+                return AccessDeniedError(
+                    f"{self.description} rejected the credentials ({code}): check "
+                    "AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or the profile"
+                )
+            if code in _ACCESS_CODES or status == 403:
+                return AccessDeniedError(
+                    f"access denied: {what} ({code or status}): grant s3:ListBucket and "
+                    "s3:GetObject on the bucket and prefix to these credentials"
+                )
+            if code in ("PermanentRedirect", "AuthorizationHeaderMalformed", "301"):
+                return EndpointUnreachableError(
+                    f"bucket {self.bucket!r} is in another region ({code}): pass --region"
+                )
+            if code in ("NoSuchKey", "404", "NotFound"):
+                return ObjectNotFoundError(f"{what}: not found")
+            if code in ("PreconditionFailed", "412"):
+                return StaleObjectError(f"{what}: the object changed while it was open")
+            return TransientStoreError(f"{what}: store error {code or status}")
+        if isinstance(exc, botocore.exceptions.BotoCoreError):
+            return TransientStoreError(f"{what}: {type(exc).__name__}")
+        return TransientStoreError(f"{what}: unexpected {type(exc).__name__}")
+
+    async def _call(self, what: str, fn: Any, /, **kwargs: Any) -> Any:
+        try:
+            return await trio.to_thread.run_sync(
+                lambda: fn(**kwargs), limiter=self._limiter, abandon_on_cancel=False
+            )
+        except Exception as exc:
+            raise self._map_error(exc, what) from exc
+
+    # -- Backend ---------------------------------------------------------------------------
+
+    async def check(self, prefix: str) -> None:
+        await self._call(
+            f"listing s3://{self.bucket}/{prefix}",
+            self._check_client.list_objects_v2,
+            Bucket=self.bucket,
+            Prefix=prefix,
+            Delimiter="/",
+            MaxKeys=1,
+        )
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
+        token: str | None = None
+        what = f"listing s3://{self.bucket}/{prefix}"
+        while True:
+            kwargs: dict[str, Any] = {"Bucket": self.bucket, "Prefix": prefix, "Delimiter": "/"}
+            if token:
+                kwargs["ContinuationToken"] = token
+            resp = await self._call(what, self._client.list_objects_v2, **kwargs)
+            yield ListPage(
+                objects=[
+                    ObjectInfo(
+                        key=o["Key"],
+                        size=int(o.get("Size", 0)),
+                        etag=str(o.get("ETag", "")),
+                        mtime_ns=_mtime_ns(o["LastModified"]),
+                    )
+                    for o in resp.get("Contents", ())
+                ],
+                prefixes=[p["Prefix"] for p in resp.get("CommonPrefixes", ())],
+            )
+            token = resp.get("NextContinuationToken")
+            if not resp.get("IsTruncated") or not token:
+                return
+
+    async def head(self, key: str) -> ObjectInfo:
+        resp = await self._call(
+            f"HEAD s3://{self.bucket}/{key}", self._client.head_object, Bucket=self.bucket, Key=key
+        )
+        return ObjectInfo(
+            key=key,
+            size=int(resp["ContentLength"]),
+            etag=str(resp.get("ETag", "")),
+            mtime_ns=_mtime_ns(resp["LastModified"]),
+        )
+
+    async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+        what = f"GET s3://{self.bucket}/{key} bytes {start}-{start + length - 1}"
+
+        def fetch() -> bytes:
+            kwargs: dict[str, Any] = {
+                "Bucket": self.bucket,
+                "Key": key,
+                "Range": f"bytes={start}-{start + length - 1}",
+            }
+            if etag:
+                kwargs["IfMatch"] = etag
+            last: Exception | None = None
+            for _ in range(_BODY_ATTEMPTS):
+                try:
+                    resp = self._client.get_object(**kwargs)
+                    body = resp["Body"]
+                    try:
+                        data = body.read()
+                    finally:
+                        body.close()
+                except _BODY_ERRORS as exc:
+                    last = exc
+                    continue
+                if len(data) == length:
+                    return data
+                last = TransientStoreError(f"{what}: got {len(data)} bytes, expected {length}")
+            assert last is not None
+            raise last
+
+        try:
+            return await trio.to_thread.run_sync(fetch, limiter=self._limiter)
+        except Exception as exc:
+            raise self._map_error(exc, what) from exc

@@ -1,0 +1,210 @@
+"""The ``objfs`` command: argument parsing and exit codes, nothing else.
+
+Every failure prints one line, ``objfs: error: ...``, and exits with the code listed in
+:data:`objfs.errors.EXIT_CODES`; a traceback is never shown (``--log-level debug`` logs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn
+
+from objfs import __version__
+from objfs.backends.base import Backend
+from objfs.config import MountConfig, S3Options, parse_id, parse_source, parse_ttl
+from objfs.errors import EXIT_CODES, ObjfsError, UsageError
+
+log = logging.getLogger("objfs")
+
+_LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line instead of argparse's usage block.
+        self.exit(2, f"objfs: error: {message} (see `{self.prog} --help`)\n")
+
+
+def _exit_code_epilog() -> str:
+    return "exit codes:\n" + "\n".join(f"  {code:>3}  {text}" for code, text in EXIT_CODES.items())
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="objfs",
+        description="Mount an object-store bucket/prefix as a read-only POSIX directory.",
+        epilog=_exit_code_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"objfs {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    m = sub.add_parser(
+        "mount",
+        help="mount SOURCE on MOUNTPOINT",
+        description="Mount SOURCE (s3://BUCKET[/PREFIX]) read-only on MOUNTPOINT. Without "
+        "--foreground, returns once the mount serves and leaves a daemon running.",
+        epilog=_exit_code_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    m.add_argument("source", metavar="SOURCE", help="s3://BUCKET or s3://BUCKET/PREFIX")
+    m.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
+
+    store = m.add_argument_group("object store")
+    store.add_argument(
+        "--endpoint-url",
+        metavar="URL",
+        help="S3-compatible endpoint, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL)",
+    )
+    store.add_argument("--region", help="region (default: $AWS_REGION / profile, else us-east-1)")
+    store.add_argument("--profile", help="AWS profile from ~/.aws/config")
+    store.add_argument(
+        "--no-sign-request",
+        action="store_true",
+        help="send anonymous requests (public buckets); no credentials are looked up",
+    )
+    store.add_argument(
+        "--force-path-style",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="path-style URLs (http://host/bucket/key); default: on with --endpoint-url "
+        "(MinIO needs it), off for AWS",
+    )
+    store.add_argument(
+        "--ca-bundle",
+        metavar="PEM",
+        help="CA certificates for a TLS endpoint with a private CA (default: $AWS_CA_BUNDLE)",
+    )
+    store.add_argument(
+        "--max-connections",
+        type=int,
+        default=S3Options.max_connections,
+        metavar="N",
+        help="parallel connections to the store (default: %(default)s)",
+    )
+
+    fs = m.add_argument_group("file system")
+    fs.add_argument(
+        "-f", "--foreground", action="store_true", help="stay in the foreground (logs to stderr)"
+    )
+    fs.add_argument(
+        "--allow-other",
+        action="store_true",
+        help="let other users (e.g. a serving container's user) read the mount",
+    )
+    fs.add_argument("--uid", metavar="UID", help="owner of every file (default: your uid)")
+    fs.add_argument("--gid", metavar="GID", help="group of every file (default: your gid)")
+    fs.add_argument(
+        "--metadata-ttl",
+        metavar="SECONDS|indefinite",
+        default="60",
+        help="how long listings and file sizes are trusted (default: %(default)s); "
+        "'indefinite' for buckets that never change, 0 to re-check on every access",
+    )
+
+    logs = m.add_argument_group("logging")
+    logs.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
+    logs.add_argument(
+        "--log-file",
+        metavar="PATH",
+        help="append logs here (default: stderr in the foreground, syslog as a daemon)",
+    )
+    m.add_argument("--daemon-ready-fd", type=int, help=argparse.SUPPRESS)
+
+    u = sub.add_parser(
+        "unmount",
+        help="unmount a mountpoint",
+        description="Unmount an objfs mount; its daemon then exits.",
+    )
+    u.add_argument("mountpoint", metavar="MOUNTPOINT")
+    u.add_argument(
+        "--force", action="store_true", help="detach lazily even if files are still open"
+    )
+    return parser
+
+
+def _mount_config(args: argparse.Namespace) -> MountConfig:
+    source = parse_source(args.source)
+    if args.max_connections < 1 or args.max_connections > 1024:
+        raise UsageError(
+            f"--max-connections: {args.max_connections} is out of range: give 1 to 1024"
+        )
+    s3 = S3Options(
+        endpoint_url=args.endpoint_url,
+        region=args.region or os.environ.get("AWS_REGION") or None,
+        profile=args.profile,
+        no_sign_request=args.no_sign_request,
+        force_path_style=args.force_path_style,
+        ca_bundle=args.ca_bundle,
+        max_connections=args.max_connections,
+    )
+    return MountConfig(
+        source=source,
+        mountpoint=os.path.abspath(args.mountpoint),
+        foreground=args.foreground,
+        allow_other=args.allow_other,
+        metadata_ttl_s=parse_ttl(args.metadata_ttl),
+        uid=None if args.uid is None else parse_id(args.uid, option="--uid"),
+        gid=None if args.gid is None else parse_id(args.gid, option="--gid"),
+        log_level=args.log_level,
+        log_file=args.log_file,
+        s3=s3,
+    )
+
+
+def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
+    from objfs import mount
+
+    config = _mount_config(args)
+    if not config.foreground:
+        # Validate what can be validated here so the common mistakes fail before a fork.
+        mount.check_mountpoint(config.mountpoint)
+        mount.check_fuse()
+        return mount.spawn_daemon(argv, config.mountpoint, config.log_file)
+
+    mount.setup_logging(config.log_level, config.log_file, daemon=args.daemon_ready_fd is not None)
+
+    def make_backend() -> Backend:
+        from objfs.backends.s3 import S3Backend
+
+        return S3Backend(config.source.bucket, config.s3)
+
+    return mount.serve(config, make_backend, args.daemon_ready_fd)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    try:
+        if args.command == "mount":
+            return _run_mount(args, argv)
+        from objfs import mount
+
+        mount.unmount(args.mountpoint, force=args.force)
+        return 0
+    except ObjfsError as exc:
+        print(f"objfs: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print("objfs: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:
+        log.debug("internal error", exc_info=True)
+        print(
+            f"objfs: internal error: {type(exc).__name__}: {exc} "
+            "(rerun with --foreground --log-level debug and report it)",
+            file=sys.stderr,
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

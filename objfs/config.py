@@ -1,0 +1,192 @@
+"""Configuration: the parsed SOURCE and the mount options, as frozen dataclasses.
+
+Units are part of field names (``metadata_ttl_s``, ``block_size_bytes``). Every default has a
+one-line reason next to it. Parsing helpers raise :class:`~objfs.errors.UsageError` or
+:class:`~objfs.errors.SourceFormatError` with a message that says what to do.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import urllib.parse
+from dataclasses import dataclass, field
+
+from objfs.errors import SourceFormatError, UnknownSchemeError, UsageError
+
+#: A TTL that means "never expires" (``--metadata-ttl indefinite``).
+INDEFINITE = math.inf
+
+# S3 bucket names: 3-63 chars of lowercase letters, digits, dots and hyphens. Legacy
+# us-east-1 buckets may contain uppercase and underscores; accept those too and let the store
+# answer, so objfs never refuses a bucket that exists.
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+
+SUPPORTED_SCHEMES = ("s3",)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where the data lives: ``scheme://bucket/prefix``.
+
+    ``prefix`` is empty (the whole bucket) or ends with exactly one ``/``, whether or not the
+    user typed the trailing slash: ``s3://b/models`` and ``s3://b/models/`` are the same
+    directory.
+    """
+
+    scheme: str
+    bucket: str
+    prefix: str
+
+    def url(self) -> str:
+        return f"{self.scheme}://{self.bucket}/{self.prefix}"
+
+
+def parse_source(text: str) -> Source:
+    """Parse SOURCE; raises SourceFormatError / UnknownSchemeError with a one-line fix."""
+    if "://" not in text:
+        raise SourceFormatError(
+            f"SOURCE {text!r} is not a URL: write it as s3://BUCKET or s3://BUCKET/PREFIX"
+        )
+    scheme, _, rest = text.partition("://")
+    scheme = scheme.lower()
+    if scheme not in SUPPORTED_SCHEMES:
+        raise UnknownSchemeError(
+            f"unknown scheme {scheme!r} in SOURCE: objfs serves "
+            + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
+            + " (for MinIO and other S3-compatible stores use s3:// with --endpoint-url)"
+        )
+    authority, _, path = rest.partition("/")
+    if "@" in authority or ":" in authority:
+        # Never echo the text back: it may hold a secret.
+        raise SourceFormatError(
+            "SOURCE must not contain credentials or a port: give the bucket only "
+            "(s3://BUCKET/PREFIX), the endpoint with --endpoint-url and credentials through "
+            "the environment or a profile"
+        )
+    if "?" in text or "#" in authority:
+        raise SourceFormatError(
+            "SOURCE must not contain a query string: write it as s3://BUCKET/PREFIX"
+        )
+    if not authority:
+        raise SourceFormatError(
+            f"SOURCE {text!r} has no bucket name: write it as s3://BUCKET or s3://BUCKET/PREFIX"
+        )
+    if not _BUCKET_RE.match(authority):
+        raise SourceFormatError(
+            f"{authority!r} is not a valid bucket name: use 3-63 letters, digits, '.', '-'"
+        )
+    prefix = path.strip("/")
+    if "//" in prefix or any(seg in (".", "..") for seg in prefix.split("/")):
+        raise SourceFormatError(
+            f"prefix {prefix!r} contains an empty, '.' or '..' segment: give the prefix as it "
+            "appears in the keys, e.g. s3://BUCKET/models/llama"
+        )
+    return Source(scheme=scheme, bucket=authority, prefix=f"{prefix}/" if prefix else "")
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def parse_size(text: str, *, option: str) -> int:
+    """Parse ``512``, ``64M``, ``64MiB``, ``1.5G`` into bytes (binary units)."""
+    m = _SIZE_RE.match(text)
+    if not m:
+        raise UsageError(
+            f"{option}: {text!r} is not a size: use a number with an optional K, M, G or T "
+            "suffix (binary units), e.g. 8M or 20GiB"
+        )
+    value = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    return int(value)
+
+
+def parse_ttl(text: str, *, option: str = "--metadata-ttl") -> float:
+    """Parse seconds (``0``, ``1.5``, ``300``) or ``indefinite`` into seconds (inf)."""
+    if text.strip().lower() in ("indefinite", "inf", "infinite", "forever"):
+        return INDEFINITE
+    try:
+        value = float(text)
+    except ValueError:
+        raise UsageError(
+            f"{option}: {text!r} is not a duration: give seconds (e.g. 60) or 'indefinite'"
+        ) from None
+    if not math.isfinite(value) or value < 0:
+        raise UsageError(f"{option}: {text!r} must be zero or more seconds, or 'indefinite'")
+    return value
+
+
+def parse_id(text: str, *, option: str) -> int:
+    """Parse a numeric uid/gid."""
+    try:
+        value = int(text, 10)
+    except ValueError:
+        raise UsageError(f"{option}: {text!r} is not a number: give a numeric id") from None
+    if not 0 <= value < 2**32 - 1:
+        raise UsageError(f"{option}: {text!r} is out of range (0 to 4294967294)")
+    return value
+
+
+@dataclass(frozen=True)
+class S3Options:
+    """How to reach an S3-compatible endpoint. Secrets are never stored here."""
+
+    endpoint_url: str | None = None
+    region: str | None = None
+    profile: str | None = None
+    no_sign_request: bool = False
+    # None: path style for a custom endpoint (MinIO and most S3-compatible stores need it),
+    # the SDK's choice (virtual hosted) for AWS itself.
+    force_path_style: bool | None = None
+    ca_bundle: str | None = None
+    # A short connect timeout so an unreachable endpoint fails in seconds, not minutes.
+    connect_timeout_s: float = 5.0
+    # Long enough for one 16 MiB ranged GET on a slow link; short enough to notice a stall.
+    read_timeout_s: float = 60.0
+    # Attempts per request, the first included (botocore's "standard" retry mode).
+    max_attempts: int = 5
+    # Parallel connections to the store; the HTTP pool and the thread limiter are sized to it.
+    max_connections: int = 16
+
+    def path_style(self) -> bool:
+        if self.force_path_style is not None:
+            return self.force_path_style
+        return self.endpoint_url is not None
+
+
+@dataclass(frozen=True)
+class MountConfig:
+    """Everything ``mount`` needs besides the backend."""
+
+    source: Source
+    mountpoint: str
+    foreground: bool = False
+    allow_other: bool = False
+    # One minute: a model bucket changes rarely, and the cache answers the hundreds of stats a
+    # model loader issues; use 'indefinite' for immutable buckets, 0 for read-after-write.
+    metadata_ttl_s: float = 60.0
+    uid: int | None = None
+    gid: int | None = None
+    # 4 MiB: large enough that a sequential read is a few dozen GETs per 100 MB, small enough
+    # that a random 4 KiB read does not drag in much.
+    block_size_bytes: int = 4 << 20
+    # Blocks kept in memory; 64 x 4 MiB = 256 MiB.
+    memory_cache_blocks: int = 64
+    # Blocks fetched ahead of a sequential reader.
+    readahead_blocks: int = 4
+    log_level: str = "info"
+    log_file: str | None = None
+    s3: S3Options = field(default_factory=S3Options)
+
+    def kernel_timeout_s(self) -> float:
+        """Entry/attr timeout handed to the kernel (the metadata TTL, capped at one day)."""
+        return min(self.metadata_ttl_s, 86400.0)
+
+
+def redact_url(url: str) -> str:
+    """Return ``url`` without user info or query string, for logs."""
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port:
+        host = f"{host}:{parts.port}"
+    return urllib.parse.urlunsplit((parts.scheme, host, parts.path, "", ""))

@@ -1,0 +1,362 @@
+"""Mount lifecycle: checks, the FUSE session, signals, readiness, daemon mode, unmount.
+
+``serve`` runs in the foreground: it checks the mountpoint and FUSE, verifies the bucket,
+mounts, serves until SIGINT/SIGTERM or an external unmount, and always unmounts on the way
+out. ``spawn_daemon`` runs ``serve`` in a detached child and returns only once the child
+reports that the mount serves (or fails with the child's error and exit code), so a script
+can use the mountpoint as soon as ``objfs mount`` returns.
+
+Never stat the mountpoint from the process that serves it: the kernel would wait for an
+answer only this process can give. The daemon's parent does the final check instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import logging.handlers
+import os
+import select
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import pyfuse3
+import trio
+
+from objfs.backends.base import Backend
+from objfs.config import MountConfig
+from objfs.errors import (
+    AlreadyMountedError,
+    FuseUnavailableError,
+    MountFailedError,
+    MountpointMissingError,
+    MountpointNotDirectoryError,
+    MountpointNotEmptyError,
+    NotMountedError,
+    ObjfsError,
+    UnmountFailedError,
+)
+from objfs.fs import FileSystem
+from objfs.fuse_ops import ObjfsOperations
+
+log = logging.getLogger("objfs")
+
+# How long `objfs mount` (daemon mode) waits for the child to report; the child's own store
+# check gives up well before this (connect timeout x attempts).
+_READY_TIMEOUT_S = 120.0
+# pyfuse3 worker tasks: enough that slow GETs do not starve cheap metadata requests.
+_MAX_FUSE_TASKS = 64
+
+
+# -- logging ---------------------------------------------------------------------------------
+
+
+def setup_logging(level: str, log_file: str | None, *, daemon: bool) -> None:
+    """Log to stderr in the foreground, to --log-file if given, else to syslog as a daemon."""
+    root = logging.getLogger()
+    root.handlers.clear()
+    root.setLevel(level.upper())
+    fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handlers: list[logging.Handler] = []
+    if log_file:
+        handlers.append(logging.FileHandler(log_file))
+    if not daemon:
+        handlers.append(logging.StreamHandler(sys.stderr))
+    elif not log_file and os.path.exists("/dev/log"):
+        syslog = logging.handlers.SysLogHandler(address="/dev/log")
+        syslog.setFormatter(logging.Formatter("objfs[%(process)d]: %(levelname)s %(message)s"))
+        root.addHandler(syslog)
+    for handler in handlers:
+        handler.setFormatter(fmt)
+        root.addHandler(handler)
+    # botocore logs request details (never secrets at INFO, but much noise); keep it quiet
+    # unless the user asks for debug output of objfs itself.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    logging.getLogger("pyfuse3").setLevel(logging.INFO if level.lower() != "debug" else "DEBUG")
+
+
+# -- local checks ----------------------------------------------------------------------------
+
+
+def _unescape_mountinfo(field: str) -> str:
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out, i = [], 0
+    while i < len(field):
+        if field[i] == "\\" and field[i + 1 : i + 4].isdigit() and i + 4 <= len(field):
+            out.append(chr(int(field[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(field[i])
+            i += 1
+    return "".join(out)
+
+
+def mount_entry(path: str) -> tuple[str, str] | None:
+    """Return (fstype, source) if ``path`` is a mount point, from /proc/self/mountinfo.
+
+    Reads the kernel's table instead of stat-ing the path, which would hang on a mount whose
+    daemon is stuck and fail on one whose daemon died.
+    """
+    target = os.path.realpath(path)
+    found: tuple[str, str] | None = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
+                rest = right.split()
+                found = (rest[0], rest[1] if len(rest) > 1 else "")
+    return found
+
+
+def check_mountpoint(path: str) -> None:
+    """Raise if ``path`` cannot take a new mount: missing, not a dir, mounted, not empty."""
+    entry = mount_entry(path)
+    if entry is not None:
+        hint = "run `objfs unmount MOUNTPOINT` first"
+        if entry[0].startswith("fuse"):
+            hint = f"run `objfs unmount --force {path}` first"
+        raise AlreadyMountedError(f"mountpoint {path} is already mounted ({entry[0]}): {hint}")
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise MountpointMissingError(
+            f"mountpoint {path} does not exist: create it with `mkdir -p {path}`"
+        ) from None
+    except OSError as exc:
+        if exc.errno == errno.ENOTCONN:
+            raise AlreadyMountedError(
+                f"mountpoint {path} holds a dead FUSE mount: run `objfs unmount --force {path}`"
+            ) from None
+        raise MountpointMissingError(f"cannot access mountpoint {path}: {exc.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise MountpointNotDirectoryError(
+            f"mountpoint {path} is not a directory: give an empty directory"
+        )
+    try:
+        with os.scandir(path) as it:
+            non_empty = any(True for _ in it)
+    except PermissionError:
+        raise MountpointMissingError(
+            f"cannot read mountpoint {path}: permission denied; use a directory you own"
+        ) from None
+    if non_empty:
+        raise MountpointNotEmptyError(
+            f"mountpoint {path} is not empty: mount on an empty directory so no files are hidden"
+        )
+
+
+def check_fuse() -> None:
+    """Raise FuseUnavailableError unless this process can create a FUSE mount."""
+    if not os.path.exists("/dev/fuse"):
+        raise FuseUnavailableError(
+            "/dev/fuse is missing: install fuse3 and load the module (`modprobe fuse`); in a "
+            "container, pass the device (--device /dev/fuse) and CAP_SYS_ADMIN"
+        )
+    try:
+        fd = os.open("/dev/fuse", os.O_RDWR)
+    except OSError as exc:
+        raise FuseUnavailableError(
+            f"cannot open /dev/fuse ({exc.strerror}): run as root, or give this user access to "
+            "/dev/fuse (and, in a container, the device and CAP_SYS_ADMIN)"
+        ) from None
+    os.close(fd)
+    if os.geteuid() != 0 and shutil.which("fusermount3") is None:
+        raise FuseUnavailableError(
+            "fusermount3 is not installed: install the fuse3 package (apt-get install fuse3)"
+        )
+
+
+def fuse_options(config: MountConfig) -> set[str]:
+    # fsname shows in /proc/mounts and df; commas would split the option string.
+    fsname = config.source.url().replace(",", "%2C").replace(" ", "%20")
+    options = {"ro", f"fsname={fsname}", "subtype=objfs", "default_permissions", "noatime"}
+    if config.allow_other:
+        options.add("allow_other")
+    return options
+
+
+# -- serving ---------------------------------------------------------------------------------
+
+
+async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async for signum in signals:
+            log.info("received %s: unmounting", signal.Signals(signum).name)
+            cancel_scope.cancel()
+            return
+
+
+async def serve_async(
+    config: MountConfig, backend: Backend, on_ready: Callable[[], None] = lambda: None
+) -> None:
+    """Check the bucket, mount, serve until a signal or an unmount, then unmount."""
+    await backend.check(config.source.prefix)
+    fs = FileSystem(backend, config)
+    ops = ObjfsOperations(fs)
+    try:
+        pyfuse3.init(ops, config.mountpoint, fuse_options(config))
+    except RuntimeError as exc:
+        hint = ""
+        if config.allow_other and os.geteuid() != 0:
+            hint = ": --allow-other needs `user_allow_other` in /etc/fuse.conf"
+        raise MountFailedError(f"mounting {config.mountpoint} failed ({exc}){hint}") from None
+    log.info("mounted %s on %s", backend.description, config.mountpoint)
+    try:
+        async with trio.open_nursery() as nursery:
+            fs.start(nursery)
+            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(_announce, on_ready)
+            await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
+            log.info("%s was unmounted", config.mountpoint)
+            nursery.cancel_scope.cancel()
+    finally:
+        with trio.CancelScope(shield=True):
+            pyfuse3.close(unmount=True)
+            await backend.aclose()
+    log.info("objfs stopped")
+
+
+async def _announce(on_ready: Callable[[], None]) -> None:
+    # Runs once the nursery is scheduling, i.e. pyfuse3.main is reading requests.
+    await trio.lowlevel.checkpoint()
+    on_ready()
+
+
+def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd: int | None) -> int:
+    """Foreground mount; returns 0 after a clean unmount, raises ObjfsError on failure.
+
+    Readiness and the error (with its exit code) are also written to ``ready_fd``, for the
+    parent of a daemon.
+    """
+
+    def report(message: str) -> None:
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, (message + "\n").encode("utf-8", "replace"))
+
+    def ready() -> None:
+        report("READY")
+        _sd_notify("READY=1")
+
+    try:
+        check_mountpoint(config.mountpoint)
+        check_fuse()
+        backend = backend_factory()
+        trio.run(serve_async, config, backend, ready)
+    except ObjfsError as exc:
+        if ready_fd is not None:  # a daemon: stderr goes nowhere, the log is all there is
+            log.error("%s", exc)
+        report(f"ERROR {exc.exit_code} {exc}")
+        raise
+    finally:
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(ready_fd)
+    _sd_notify("STOPPING=1")
+    return 0
+
+
+def _sd_notify(message: str) -> None:
+    """Tell systemd (Type=notify) about our state; a no-op outside systemd."""
+    address = os.environ.get("NOTIFY_SOCKET")
+    if not address:
+        return
+    import socket
+
+    if address.startswith("@"):
+        address = "\0" + address[1:]
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.connect(address)
+        sock.sendall(message.encode())
+
+
+# -- daemon mode -----------------------------------------------------------------------------
+
+
+def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> int:
+    """Start ``objfs mount ... --foreground`` detached; return once it serves or failed."""
+    read_fd, write_fd = os.pipe()
+    cmd = [sys.executable, "-m", "objfs", *argv, "--foreground", "--daemon-ready-fd", str(write_fd)]
+    try:
+        proc = subprocess.Popen(
+            cmd,
+            pass_fds=(write_fd,),
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd="/",
+        )
+    finally:
+        os.close(write_fd)
+    mountpoint = os.path.abspath(mountpoint)
+    deadline = time.monotonic() + _READY_TIMEOUT_S
+    buf = b""
+    try:
+        while b"\n" not in buf:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                proc.terminate()
+                raise MountFailedError(
+                    f"objfs did not report ready within {_READY_TIMEOUT_S:.0f} s; see the log "
+                    + (f"in {log_file}" if log_file else "(syslog, or pass --log-file)")
+                )
+            ready, _, _ = select.select([read_fd], [], [], remaining)
+            if not ready:
+                continue
+            chunk = os.read(read_fd, 4096)
+            if not chunk:
+                break
+            buf += chunk
+    finally:
+        os.close(read_fd)
+    line = buf.decode("utf-8", "replace").strip()
+    if line == "READY":
+        # Confirm from this (non-serving) process that the kernel sees the mount and the
+        # daemon answers it.
+        if mount_entry(mountpoint) is None:
+            raise MountFailedError(f"objfs reported ready but {mountpoint} is not mounted")
+        os.stat(mountpoint)
+        return 0
+    if line.startswith("ERROR "):
+        _, code, message = line.split(" ", 2)
+        print(f"objfs: error: {message}", file=sys.stderr)
+        return int(code)
+    status = proc.wait(timeout=30)
+    raise MountFailedError(
+        f"the objfs daemon exited (status {status}) before serving; see the log "
+        + (f"in {log_file}" if log_file else "(syslog, or run with --foreground)")
+    )
+
+
+# -- unmount ---------------------------------------------------------------------------------
+
+
+def unmount(path: str, *, force: bool = False) -> None:
+    """Unmount an objfs (or any FUSE) mount; ``force`` detaches it lazily even if busy."""
+    entry = mount_entry(path)
+    if entry is None:
+        raise NotMountedError(f"{path} is not mounted")
+    if os.geteuid() == 0:
+        cmd = ["umount", *(["-l"] if force else []), path]
+    else:
+        cmd = ["fusermount3", "-u", *(["-z"] if force else []), path]
+    if shutil.which(cmd[0]) is None:
+        raise UnmountFailedError(f"{cmd[0]} is not installed: install the fuse3 package")
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        reason = (proc.stderr.strip().splitlines() or ["unknown error"])[-1]
+        if "busy" in reason.lower():
+            raise UnmountFailedError(
+                f"{path} is busy (a process has a file open or its cwd inside): close it, or "
+                "use `objfs unmount --force` to detach lazily"
+            )
+        raise UnmountFailedError(f"unmounting {path} failed: {reason}")
