@@ -236,12 +236,11 @@ def _parse_header(fd: int, path: str, file_size: int) -> SafetensorsHeader:
         if entry.nbytes == 0:
             continue  # occupies no bytes, overlaps nothing
         if previous is not None and entry.start < previous.start + previous.nbytes:
+            a, b = previous.start - data_start, entry.start - data_start
             raise _bad(
                 path,
-                f"tensors {previous.name!r} and {entry.name!r} overlap "
-                f"(data offsets {previous.start - data_start}..."
-                f"{previous.start - data_start + previous.nbytes} and "
-                f"{entry.start - data_start}...{entry.start - data_start + entry.nbytes})",
+                f"tensors {previous.name!r} (data_offsets [{a}, {a + previous.nbytes}]) and "
+                f"{entry.name!r} (data_offsets [{b}, {b + entry.nbytes}]) overlap",
             )
         previous = entry
     return SafetensorsHeader(path, file_size, data_start, tuple(tensors), metadata)
@@ -267,15 +266,16 @@ def _parse_entry(path: str, name: str, info: object, data_start: int, data_len: 
     if not 0 <= begin <= end <= data_len:
         raise _bad(
             path,
-            f"tensor {name!r} data_offsets [{begin}, {end}] are outside the data region "
-            f"(0..{data_len} bytes)",
+            f"tensor {name!r} data_offsets [{begin}, {end}] are outside the "
+            f"{data_len}-byte data region",
         )
     bits = math.prod(shape) * DTYPES[dtype].bits
     if bits % 8 or bits // 8 != end - begin:
+        needs = f"{bits // 8} bytes" if bits % 8 == 0 else f"{bits} bits (not whole bytes)"
         raise _bad(
             path,
-            f"tensor {name!r} of dtype {dtype} and shape {_short(shape)} needs {bits / 8:g} bytes "
-            f"but data_offsets [{begin}, {end}] hold {end - begin}",
+            f"tensor {name!r} of dtype {dtype} and shape {_short(shape)} needs {needs} "
+            f"but data_offsets [{begin}, {end}] hold {end - begin} bytes",
         )
     if DTYPES[dtype].bits == 4 and (not shape or shape[-1] % 2):
         raise _bad(
