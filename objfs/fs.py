@@ -361,6 +361,10 @@ class FileSystem:
     async def read(self, fh: int, offset: int, size: int) -> bytes:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
         handle = self._handle(fh)
+        if handle.node.etag != handle.etag:
+            # A listing or HEAD has seen a newer version: the kernel may already show its size,
+            # so stop serving this handle rather than mix sizes and bytes of two versions.
+            raise StaleObjectError(f"{handle.key!r} changed while open")
         end = min(offset + size, handle.size)
         if offset >= end:
             return b""

@@ -1,0 +1,58 @@
+# objfs development and demo entry points. `make demo` and `make test` set up everything on a
+# fresh Debian 12 machine (apt packages, .venv with objfs in editable mode, test servers).
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.objfs-installed
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: help setup sysdeps lint format test demo clean
+
+help:
+	@echo "make demo   - local S3 server + small model + objfs mount + transformers load"
+	@echo "make test   - lint, then the whole test suite (real FUSE mounts, real S3 server)"
+	@echo "make lint   - ruff and mypy (strict on objfs/)"
+	@echo "make format - ruff format and import sorting"
+
+# Installs only what is missing, so a re-run costs a few dpkg queries.
+sysdeps:
+	@missing=""; for p in $(APT_PACKAGES); do \
+	  dpkg-query -W -f='$${Status}' $$p 2>/dev/null | grep -q "install ok installed" || missing="$$missing $$p"; \
+	done; \
+	if [ -n "$$missing" ]; then \
+	  echo "apt-get install:$$missing"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	fi
+
+$(STAMP): pyproject.toml
+	@$(MAKE) --no-print-directory sysdeps
+	@[ -x $(PY) ] || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	@touch $(STAMP)
+
+setup: sysdeps $(STAMP)
+
+lint: setup
+	$(VENV)/bin/ruff check objfs tests
+	$(VENV)/bin/ruff format --check objfs tests
+	$(VENV)/bin/mypy
+
+format: setup
+	$(VENV)/bin/ruff check --fix objfs tests
+	$(VENV)/bin/ruff format objfs tests
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m objfs.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

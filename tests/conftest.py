@@ -1,0 +1,171 @@
+"""Shared fixtures: a real S3 server (moto) on loopback and real FUSE mounts in subprocesses.
+
+A test never serves a mount from its own process (reading it would deadlock); mounts run as
+``python -m objfs mount ... --foreground`` children, are unmounted in ``finally`` and their
+exit status is checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from objfs.demo import LocalServer, s3_client, start_moto_server
+from objfs.mount import mount_entry
+
+# Credentials for the local test servers only. Never read the developer's AWS config.
+TEST_ENV = {
+    "AWS_ACCESS_KEY_ID": "objfs-test",
+    "AWS_SECRET_ACCESS_KEY": "objfs-test-secret",
+    "AWS_CONFIG_FILE": "/nonexistent/objfs-test-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/objfs-test-credentials",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
+for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
+    os.environ.pop(_name, None)
+os.environ.update(TEST_ENV)
+
+MOUNT_TIMEOUT_S = 30.0
+_bucket_ids = itertools.count()
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    log = tmp_path_factory.mktemp("moto") / "moto.log"
+    server = start_moto_server(str(log))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3(s3_server: LocalServer) -> Any:
+    return s3_client(s3_server.url)
+
+
+@pytest.fixture
+def bucket(s3: Any) -> str:
+    """A fresh, empty bucket for one test."""
+    name = f"objfs-test-{os.getpid()}-{next(_bucket_ids)}"
+    s3.create_bucket(Bucket=name)
+    return name
+
+
+@dataclass
+class Mount:
+    path: Path
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+
+def wait_mounted(path: Path, proc: subprocess.Popen[bytes], log_path: Path) -> None:
+    deadline = time.monotonic() + MOUNT_TIMEOUT_S
+    while mount_entry(str(path)) is None:
+        if proc.poll() is not None:
+            raise AssertionError(
+                f"objfs exited with {proc.returncode} before mounting:\n"
+                + log_path.read_text(errors="replace")
+            )
+        if time.monotonic() > deadline:
+            raise AssertionError("objfs did not mount in time:\n" + log_path.read_text())
+        time.sleep(0.05)
+
+
+def force_unmount(path: Path) -> None:
+    if mount_entry(str(path)) is not None:
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+@contextlib.contextmanager
+def run_mount(
+    cmd: list[str], mountpoint: Path, log_path: Path, env: dict[str, str] | None = None
+) -> Iterator[Mount]:
+    """Run a foreground objfs command that mounts ``mountpoint``; unmount and reap it after.
+
+    Its stdout/stderr go to ``log_path``; objfs's own ``--log-file`` should be another file.
+    """
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, **(env or {})},
+        )
+    try:
+        wait_mounted(mountpoint, proc, log_path)
+        yield Mount(mountpoint, proc, log_path)
+        assert proc.poll() is None, "objfs died while the test ran:\n" + log_path.read_text()
+        subprocess.run(["fusermount3", "-u", str(mountpoint)], check=True, capture_output=True)
+        assert proc.wait(timeout=30) == 0, "objfs did not exit cleanly:\n" + log_path.read_text()
+    finally:
+        force_unmount(mountpoint)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
+@pytest.fixture
+def mount_s3(
+    s3_server: LocalServer, tmp_path: Path
+) -> Iterator[Any]:
+    """``mount_s3(source, *options)`` mounts with objfs in the foreground in a child."""
+    stack = contextlib.ExitStack()
+    counter = itertools.count()
+
+    def mount(source: str, *options: str, env: dict[str, str] | None = None) -> Mount:
+        n = next(counter)
+        mountpoint = tmp_path / f"mnt{n}"
+        mountpoint.mkdir()
+        log_path = tmp_path / f"objfs{n}.log"
+        out_path = tmp_path / f"objfs{n}.out"
+        cmd = [
+            sys.executable,
+            "-m",
+            "objfs",
+            "mount",
+            source,
+            str(mountpoint),
+            "--foreground",
+            "--endpoint-url",
+            s3_server.url,
+            "--log-file",
+            str(log_path),
+            *options,
+        ]
+        mounted = stack.enter_context(run_mount(cmd, mountpoint, out_path, env))
+        return Mount(mounted.path, mounted.proc, log_path)
+
+    with stack:
+        yield mount
+
+
+def put_many(s3: Any, bucket: str, items: dict[str, bytes]) -> None:
+    """Upload ``items`` with a few threads (moto answers one request per thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def put(item: tuple[str, bytes]) -> None:
+        s3.put_object(Bucket=bucket, Key=item[0], Body=item[1])
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(put, items.items()))
