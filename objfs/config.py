@@ -20,7 +20,7 @@ INDEFINITE = math.inf
 # S3 bucket names: 3-63 chars of lowercase letters, digits, dots and hyphens. Legacy
 # us-east-1 buckets may contain uppercase and underscores; accept those too and let the store
 # answer, so objfs never refuses a bucket that exists.
-_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{1,254}$")
+_BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{2,254}$")
 
 SUPPORTED_SCHEMES = ("s3",)
 
