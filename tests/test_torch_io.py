@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -10,7 +11,7 @@ import subprocess
 import sys
 import types
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -507,3 +508,76 @@ def test_vllm_weight_files_prefers_hf_shards_over_consolidated(tmp_path: Path) -
     mistral = save(tmp_path / "consolidated.safetensors", {"b": torch.ones(1)})
     assert vllm_plugin.weight_files(str(tmp_path)) == [str(hf)]
     assert vllm_plugin.weight_files(str(tmp_path), "mistral") == [str(mistral)]
+
+
+# --------------------------------------------------------------------------------------------
+# The pinned-buffer pipeline's bookkeeping, run on the CPU with stand-ins for CUDA streams and
+# events (the real thing runs in tests/test_torch_io_cuda.py on a GPU machine).
+
+
+class FakeEvent:
+    created: ClassVar[list[FakeEvent]] = []
+
+    def __init__(self, **kwargs: Any) -> None:
+        self.recorded = False
+        self.waits = 0
+        FakeEvent.created.append(self)
+
+    def record(self, stream: Any) -> None:
+        self.recorded = True
+
+    def synchronize(self) -> None:
+        assert self.recorded, "a buffer was refilled before its copies were queued"
+        self.waits += 1
+
+
+class FakeStream:
+    def __init__(self, device: Any = None) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: FakeEvent) -> None:
+        assert event.recorded
+
+
+@pytest.mark.parametrize(
+    ("buffer_bytes", "num_buffers", "threads"), [(64, 2, 3), (1000, 2, 1), (4096, 5, 4)]
+)
+def test_pinned_buffer_pipeline_with_fake_cuda(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    buffer_bytes: int,
+    num_buffers: int,
+    threads: int,
+) -> None:
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "Stream", FakeStream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    FakeEvent.created = []
+    tensors = {f"t{i}": random_tensor(torch.float32, (57, 31 + i), seed=i) for i in range(20)}
+    tensors.update({f"z{i}": random_tensor(torch.bfloat16, (i % 3,), seed=i) for i in range(50)})
+    tensors["scalar"] = random_tensor(torch.float64, (), seed=1)
+    files = [
+        str(save(tmp_path / "a.safetensors", tensors)),
+        str(save(tmp_path / "b.safetensors", {"b": random_tensor(torch.int8, (10001,), 3)})),
+    ]
+    opened = torch_io._open_all(files)
+    try:
+        items, segments = torch_io._plan([o.header for o in opened], buffer_bytes)
+        pool = [
+            torch_io._Pinned(buf, buf.numpy().data, None)
+            for buf in (torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(num_buffers))
+        ]
+        cpu = torch.device("cpu")
+        got = list(torch_io._iter_cuda(opened, items, segments, threads, cpu, pool))
+    finally:
+        torch_io._close_all(opened)
+    want = {**safetensors_torch.load_file(files[0]), **safetensors_torch.load_file(files[1])}
+    assert [name for name, _ in got] == [e.name for f in files for e in read_header(f).tensors]
+    assert_same(dict(got), want)
+    assert len(FakeEvent.created) == len(segments)
+    assert sum(e.waits for e in FakeEvent.created) == len(segments) - num_buffers
