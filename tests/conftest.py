@@ -7,12 +7,15 @@ exit status is checked.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import hashlib
 import itertools
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +39,11 @@ TEST_ENV = {
 for _name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL", "AWS_REGION"):
     os.environ.pop(_name, None)
 os.environ.update(TEST_ENV)
+
+# transformers reads these at import: offline, and its module cache in a throwaway folder.
+_HF_HOME = tempfile.mkdtemp(prefix="objfs-test-hf-")
+atexit.register(shutil.rmtree, _HF_HOME, ignore_errors=True)
+os.environ.update(HF_HOME=_HF_HOME, HF_HUB_OFFLINE="1", HF_HUB_DISABLE_PROGRESS_BARS="1")
 
 MOUNT_TIMEOUT_S = 30.0
 _bucket_ids = itertools.count()
