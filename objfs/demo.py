@@ -87,7 +87,9 @@ class LocalServer:
                 self.proc.wait()
 
 
-def start_moto_server(log_path: str | None = None, env: dict[str, str] | None = None) -> LocalServer:
+def start_moto_server(
+    log_path: str | None = None, env: dict[str, str] | None = None
+) -> LocalServer:
     """Start moto's S3 server on a free port and wait until it answers (at most 30 s)."""
     port = free_port()
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115
@@ -220,8 +222,8 @@ def load_and_generate(path: str | Path, *, new_tokens: int = 8) -> tuple[Any, li
             do_sample=False,
             pad_token_id=tokenizer.pad_token_id,
         )
-    tokens = out[0, inputs["input_ids"].shape[1] :].tolist()
-    return model, tokens, tokenizer.decode(tokens)
+    tokens: list[int] = out[0, inputs["input_ids"].shape[1] :].tolist()
+    return model, tokens, str(tokenizer.decode(tokens))
 
 
 # -- the demo itself ------------------------------------------------------------------------

@@ -134,9 +134,7 @@ def run_mount(
 
 
 @pytest.fixture
-def mount_s3(
-    s3_server: LocalServer, tmp_path: Path
-) -> Iterator[Any]:
+def mount_s3(s3_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
     """``mount_s3(source, *options)`` mounts with objfs in the foreground in a child."""
     stack = contextlib.ExitStack()
     counter = itertools.count()

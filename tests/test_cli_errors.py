@@ -146,7 +146,9 @@ def test_bad_ca_bundle(s3_server: LocalServer, mnt: Path, tmp_path: Path) -> Non
 
 
 @pytest.fixture(scope="module")
-def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[LocalServer, dict[str, str]]]:
+def auth_server(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[LocalServer, dict[str, str]]]:
     """A second moto server that enforces IAM after its first three (set-up) requests."""
     log = tmp_path_factory.mktemp("moto-auth") / "moto.log"
     server = start_moto_server(str(log), env={"INITIAL_NO_AUTH_ACTION_COUNT": "3"})
@@ -157,10 +159,13 @@ def auth_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Loca
         iam = boto3.client("iam", endpoint_url=server.url, region_name="us-east-1")
         iam.create_user(UserName="nobody")
         key = iam.create_access_key(UserName="nobody")["AccessKey"]
-        yield server, {
-            "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
-            "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
-        }
+        yield (
+            server,
+            {
+                "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
+                "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
+            },
+        )
     finally:
         server.stop()
 
@@ -214,8 +219,7 @@ def test_fuse_unavailable(tmp_path: Path, mnt: Path) -> None:
     if shutil.which("unshare") is None or os.geteuid() != 0:
         pytest.skip("needs root and unshare(1) to hide /dev/fuse")
     script = (
-        "mount -t tmpfs tmpfs /dev && exec "
-        f"{sys.executable} -m objfs mount s3://bucket/m {mnt}"
+        f"mount -t tmpfs tmpfs /dev && exec {sys.executable} -m objfs mount s3://bucket/m {mnt}"
     )
     res = subprocess.run(
         ["unshare", "--mount", "--propagation", "private", "sh", "-c", script],
@@ -237,4 +241,3 @@ def test_help_lists_exit_codes_and_groups() -> None:
     assert res.returncode == 0
     for text in ("object store:", "file system:", "logging:", "exit codes:", "--endpoint-url"):
         assert text in res.stdout
-

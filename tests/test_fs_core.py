@@ -217,7 +217,7 @@ async def test_handle_is_pinned_to_its_etag() -> None:
     fh2, keep2 = await fs.open(inode, os.O_RDONLY)
     assert keep2 is False  # new version: the kernel must drop the old pages
     assert await fs.read(fh2, 0, 2 * MiB) == new
-    fh3, keep3 = await fs.open(inode, os.O_RDONLY)
+    _fh3, keep3 = await fs.open(inode, os.O_RDONLY)
     assert keep3 is True  # same version again: keep the page cache
 
 
