@@ -151,7 +151,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         uid=None if args.uid is None else parse_id(args.uid, option="--uid"),
         gid=None if args.gid is None else parse_id(args.gid, option="--gid"),
         log_level=args.log_level,
-        log_file=args.log_file,
+        log_file=None if args.log_file is None else os.path.abspath(args.log_file),
         s3=s3,
     )
 
@@ -166,7 +166,10 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         mount.check_fuse()
         return mount.spawn_daemon(argv, config.mountpoint, config.log_file)
 
-    mount.setup_logging(config.log_level, config.log_file, daemon=args.daemon_ready_fd is not None)
+    daemon = args.daemon_ready_fd is not None
+    if daemon:
+        os.chdir("/")  # paths are absolute now; do not keep the caller's directory busy
+    mount.setup_logging(config.log_level, config.log_file, daemon=daemon)
 
     def make_backend() -> Backend:
         from objfs.backends.s3 import S3Backend

@@ -293,7 +293,6 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
-            cwd="/",
         )
     finally:
         os.close(write_fd)

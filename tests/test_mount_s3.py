@@ -252,11 +252,12 @@ def _objfs(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _daemons_for(mountpoint: Path) -> list[psutil.Process]:
+def _daemons_for(source: str) -> list[psutil.Process]:
+    """The objfs daemons serving ``source`` (each test mounts its own bucket)."""
     found = []
     for proc in psutil.process_iter(["cmdline"]):
         cmdline = proc.info["cmdline"] or []
-        if str(mountpoint) in cmdline and "--daemon-ready-fd" in cmdline:
+        if source in cmdline and "--daemon-ready-fd" in cmdline:
             found.append(proc)
     return found
 
@@ -266,14 +267,15 @@ def test_daemon_mode_returns_once_serving(s3_server: Any, tree_bucket: str, tmp_
     mountpoint.mkdir()
     log_path = tmp_path / "daemon.log"
     try:
-        res = _objfs(
+        res = _objfs(  # relative paths, as a user types them
             "mount",
             f"s3://{tree_bucket}/data",
-            str(mountpoint),
+            "mnt",
             "--endpoint-url",
             s3_server.url,
             "--log-file",
-            str(log_path),
+            "daemon.log",
+            cwd=tmp_path,
         )
         assert res.returncode == 0, res.stderr
         assert res.stdout == ""
@@ -281,8 +283,9 @@ def test_daemon_mode_returns_once_serving(s3_server: Any, tree_bucket: str, tmp_
         # Live the moment the command returned: no polling.
         assert mount_entry(str(mountpoint)) == ("fuse.objfs", f"s3://{tree_bucket}/data/")
         assert (mountpoint / "readme.txt").read_bytes() == TREE["data/readme.txt"]
-        daemons = _daemons_for(mountpoint)
+        daemons = _daemons_for(f"s3://{tree_bucket}/data")
         assert len(daemons) == 1
+        assert daemons[0].cwd() == "/"
         options = Path("/proc/self/mountinfo").read_text()
         line = next(ln for ln in options.splitlines() if f" {mountpoint} " in ln)
         assert " ro," in line or " ro " in line
@@ -345,7 +348,8 @@ def test_unmount_force_detaches_a_busy_mount(
             "mount", f"s3://{tree_bucket}/data", str(mountpoint), "--endpoint-url", s3_server.url
         )
         assert res.returncode == 0, res.stderr
-        daemons = _daemons_for(mountpoint)
+        daemons = _daemons_for(f"s3://{tree_bucket}/data")
+        assert len(daemons) == 1
         fd = os.open(mountpoint / "readme.txt", os.O_RDONLY)
         try:
             res = _objfs("unmount", str(mountpoint))
