@@ -581,3 +581,45 @@ def test_pinned_buffer_pipeline_with_fake_cuda(
     assert_same(dict(got), want)
     assert len(FakeEvent.created) == len(segments)
     assert sum(e.waits for e in FakeEvent.created) == len(segments) - num_buffers
+
+
+# --------------------------------------------------------------------------------------------
+# The transformers recipe documented in the README.
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tie", [False, True], ids=["untied", "tied"])
+def test_transformers_skeleton_recipe(tmp_path: Path, tie: bool) -> None:
+    transformers = pytest.importorskip("transformers")
+    initialization = pytest.importorskip("transformers.initialization")
+    config = transformers.LlamaConfig(
+        vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=tie,
+    )
+    torch.manual_seed(0)
+    original = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+    original.save_pretrained(tmp_path, max_shard_size="100KB")  # several shards + index
+    ids = torch.tensor([[1, 2, 3, 4, 5]])
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.bfloat16)
+
+    # --- README recipe (device "cpu" here; "cuda:0" on a GPU) ---
+    config = transformers.AutoConfig.from_pretrained(tmp_path)
+    with initialization.no_init_weights():  # skeleton: uninitialised torch.empty parameters
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    state = load_safetensors(tmp_path, "cpu")
+    result = model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()  # tied lm_head.weight is not stored in the checkpoint
+    model.to("cpu").eval()
+    # --- end of recipe ---
+
+    assert result.unexpected_keys == []
+    assert result.missing_keys == (["lm_head.weight"] if tie else [])
+    loaded = state["model.layers.0.mlp.up_proj.weight"]  # assigned, not copied:
+    assert model.model.layers[0].mlp.up_proj.weight.data_ptr() == loaded.data_ptr()
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, reference(ids).logits)
