@@ -25,6 +25,8 @@ torch-free).
 from __future__ import annotations
 
 import collections
+import contextlib
+import errno
 import functools
 import json
 import logging
@@ -32,7 +34,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Final
@@ -343,13 +345,21 @@ def resolve_safetensors_files(paths: PathsArg) -> list[str]:
     ``paths`` is a file, a directory, an index json (``model.safetensors.index.json``), or an
     iterable of those.  A directory with an index yields the shards its ``weight_map`` names
     (sorted); without one, its ``*.safetensors`` files (sorted).  Duplicates are dropped, order
-    is otherwise kept.  Existence of the files is checked later, when they are opened.
+    is otherwise kept.  A listed file (or index shard) that does not exist raises
+    ``FileNotFoundError``.
     """
     items = [paths] if isinstance(paths, str | os.PathLike) else list(paths)
     result: list[str] = []
     seen: set[str] = set()
     for item in items:
-        for file in _expand_one(os.fspath(item)):
+        name = os.fspath(item)
+        for file in _expand_one(name):
+            if not os.path.isfile(file):
+                raise FileNotFoundError(
+                    errno.ENOENT,
+                    "no such safetensors file" + (f" (listed by {name})" if file != name else ""),
+                    file,
+                )
             key = os.path.abspath(file)
             if key not in seen:
                 seen.add(key)
@@ -509,7 +519,8 @@ def _open_all(files: list[str]) -> list[_Open]:
             opened.append(_Open(fd, header))
             if hasattr(os, "posix_fadvise"):
                 # Sequential hint: doubles kernel read-ahead (also on FUSE mounts).
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+                with contextlib.suppress(OSError):  # only a hint
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
     except BaseException:
         _close_all(opened)
         raise
@@ -579,8 +590,9 @@ def iter_safetensors(
     next tensor is always read in full.
 
     Each yielded tensor owns its storage.  Closing the generator early stops the readers and
-    releases buffers and file descriptors.  Malformed files raise ``ValueError``; I/O errors
-    raise ``OSError``; both name the file.
+    releases buffers and file descriptors.  Bad arguments and missing paths raise right away;
+    files are opened when iteration starts, so malformed files raise ``ValueError`` and I/O
+    errors ``OSError`` (both naming the file) from the first ``next()``.
     """
     import torch
 
@@ -591,28 +603,41 @@ def iter_safetensors(
     n_threads = _auto_threads() if threads is None else threads
     _check_positive("threads", n_threads)
     _check_positive("buffer_bytes", buffer_bytes)
+    n_buffers = _auto_buffers(n_threads) if num_buffers is None else num_buffers
+    _check_positive("num_buffers", n_buffers)
     if prefetch_bytes is not None:
         _check_positive("prefetch_bytes", prefetch_bytes)
     target = torch.device(device)
     if target.type == "cuda" and not torch.cuda.is_available():
         raise RuntimeError(f"device {target} requested but torch.cuda.is_available() is False")
-
     files = resolve_safetensors_files(paths)
+    # Arguments are checked above, eagerly; files are opened only once iteration starts, so a
+    # generator that is never iterated holds no descriptors.
+    window = sys.maxsize if prefetch_bytes is None else prefetch_bytes
+    return _generate(files, target, dtype, n_threads, buffer_bytes, n_buffers, window)
+
+
+def _generate(
+    files: list[str],
+    target: torch.device,
+    dtype: torch.dtype | None,
+    threads: int,
+    buffer_bytes: int,
+    num_buffers: int,
+    window: int,
+) -> Iterator[tuple[str, torch.Tensor]]:
     opened = _open_all(files)
     started = time.perf_counter()
     total = 0
+    stream: Generator[tuple[str, torch.Tensor], None, None] | None = None
     try:
         items, segments = _plan([o.header for o in opened], buffer_bytes)
-        stream: Iterator[tuple[str, torch.Tensor]] | None = None
         if target.type == "cuda":
-            pool = _pin_pool(
-                _auto_buffers(n_threads) if num_buffers is None else num_buffers, buffer_bytes
-            )
+            pool = _pin_pool(num_buffers, buffer_bytes)
             if pool is not None:
-                stream = _iter_cuda(opened, items, segments, n_threads, target, pool)
+                stream = _iter_cuda(opened, items, segments, threads, target, pool)
         if stream is None:
-            window = sys.maxsize if prefetch_bytes is None else prefetch_bytes
-            stream = _iter_cpu(opened, items, segments, n_threads, window)
+            stream = _iter_cpu(opened, items, segments, threads, window)
         for name, tensor in stream:
             total += tensor.nbytes
             if tensor.device != target:
@@ -621,6 +646,8 @@ def iter_safetensors(
                 tensor = tensor.to(dtype)
             yield name, tensor
     finally:
+        if stream is not None:
+            stream.close()  # stops the reader threads before their descriptors are closed
         _close_all(opened)
     elapsed = time.perf_counter() - started
     logger.debug(
@@ -687,7 +714,7 @@ def _iter_cpu(
     segments: list[_Segment],
     threads: int,
     window: int,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     import torch
 
     cpu = torch.device("cpu")
@@ -766,7 +793,6 @@ def _pin_pool(count: int, size: int) -> list[_Pinned] | None:
     """Allocate ``count`` page-locked buffers, or return None (and log) if pinning fails."""
     import torch
 
-    _check_positive("num_buffers", count)
     pool: list[_Pinned] = []
     try:
         for _ in range(count):
@@ -797,7 +823,7 @@ def _iter_cuda(
     threads: int,
     device: torch.device,
     pool: list[_Pinned],
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Generator[tuple[str, torch.Tensor], None, None]:
     import torch
 
     consumer = torch.cuda.current_stream(device)

@@ -185,6 +185,9 @@ def test_index_problems(tmp_path: Path) -> None:
     (tmp_path / "broken.json").write_text("{")
     with pytest.raises(ValueError, match="not valid JSON"):
         resolve_safetensors_files(tmp_path / "broken.json")
+    (tmp_path / "gone.json").write_text(json.dumps({"weight_map": {"w": "gone.safetensors"}}))
+    with pytest.raises(FileNotFoundError, match=r"listed by .*gone\.json"):
+        resolve_safetensors_files(tmp_path / "gone.json")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(FileNotFoundError, match=r"no \*\.safetensors"):
@@ -291,6 +294,10 @@ def test_bad_arguments(tmp_path: Path) -> None:
         load_safetensors(file, "cpu", threads=0)
     with pytest.raises(ValueError, match="buffer_bytes"):
         load_safetensors(file, "cpu", buffer_bytes=0)
+    with pytest.raises(ValueError, match="prefetch_bytes"):
+        iter_safetensors(file, "cpu", prefetch_bytes=-1)  # raised before iterating
+    with pytest.raises(FileNotFoundError):
+        iter_safetensors(tmp_path / "missing", "cpu")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA error")
