@@ -870,6 +870,7 @@ def _iter_cuda(
         pump()
 
     issued = 0
+    awaited: torch.cuda.Event | None = None  # newest copy event the consumer already waits on
     try:
         pump()
         for index, item in enumerate(items):
@@ -881,7 +882,9 @@ def _iter_cuda(
             if tensor is None:
                 tensor = _empty(opened, item, device)  # zero-size: allocated on the consumer
             elif last_event is not None:
-                consumer.wait_event(last_event)
+                if awaited is not last_event:  # one wait covers every tensor it completed
+                    consumer.wait_event(last_event)
+                    awaited = last_event
                 # The consumer stream uses the tensor from now on: the allocator must not hand
                 # its memory to the copy stream again before the consumer's work is done.
                 tensor.record_stream(consumer)
