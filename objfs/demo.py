@@ -288,10 +288,9 @@ def main() -> int:
                 return res.returncode
             mounted = True
             print("    " + "  ".join(sorted(os.listdir(mountpoint))))
-        with _step("importing torch and transformers (kept out of the load timings)"):
-            import transformers
+        import transformers  # already imported by the model builder: no import in the timings
 
-            transformers.utils.logging.disable_progress_bar()
+        transformers.utils.logging.disable_progress_bar()
         timings: dict[str, float] = {}
         tokens: dict[str, list[int]] = {}
         for label, path in (
