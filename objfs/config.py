@@ -8,6 +8,7 @@ one-line reason next to it. Parsing helpers raise :class:`~objfs.errors.UsageErr
 from __future__ import annotations
 
 import math
+import os
 import re
 import urllib.parse
 from dataclasses import dataclass, field
@@ -167,20 +168,67 @@ class MountConfig:
     metadata_ttl_s: float = 60.0
     uid: int | None = None
     gid: int | None = None
-    # 4 MiB: large enough that a sequential read is a few dozen GETs per 100 MB, small enough
-    # that a random 4 KiB read does not drag in much.
-    block_size_bytes: int = 4 << 20
-    # Blocks kept in memory; 64 x 4 MiB = 256 MiB.
-    memory_cache_blocks: int = 64
-    # Blocks fetched ahead of a sequential reader.
-    readahead_blocks: int = 4
+    # 1 MiB: the unit of caching and of a random read (rounded to a block); the kernel sends
+    # reads of up to 1 MiB once the FUSE connection allows it.
+    block_size_bytes: int = 1 << 20
+    # 8 MiB ranged GETs for read-ahead (AWS guidance: 8-16 MiB per request and connection).
+    part_size_bytes: int = 8 << 20
+    # In-flight plus buffered blocks; see default_memory_limit().
+    memory_limit_bytes: int = 1 << 30
+    # First read-ahead window of a stream, doubled per sequential read (Mountpoint starts at
+    # about 1 MiB too).
+    readahead_initial_bytes: int = 1 << 20
+    # Largest window; None: half the memory budget (whole files once that covers them).
+    readahead_max_bytes: int | None = None
+    # Files every loader reads whole: fetch them ahead from the moment they are opened.
+    prefetch_on_open_suffixes: tuple[str, ...] = (".safetensors",)
+    # Persistent block cache; None: no disk tier.
+    cache_dir: str | None = None
+    # Cap of the disk cache.
+    cache_size_bytes: int = 64 << 30
+    # Free space to leave on the cache's file system; None: 10% of it, at most 5 GiB.
+    cache_min_free_bytes: int | None = None
+    # Kernel read-ahead for the mount (bdi read_ahead_kb); 0 leaves the kernel default.
+    read_ahead_kb: int = 16384
+    # FUSE connection queue (max_background); the kernel default of 12 starves parallel reads.
+    max_background: int = 64
     log_level: str = "info"
     log_file: str | None = None
     s3: S3Options = field(default_factory=S3Options)
 
+    def readahead_max(self) -> int:
+        if self.readahead_max_bytes is not None:
+            return self.readahead_max_bytes
+        return max(self.part_size_bytes, self.memory_limit_bytes // 2)
+
     def kernel_timeout_s(self) -> float:
         """Entry/attr timeout handed to the kernel (the metadata TTL, capped at one day)."""
         return min(self.metadata_ttl_s, 86400.0)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory_bytes() -> int:
+    """The smaller of the machine's memory and this process's cgroup limit (v2 or v1)."""
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    limits = [
+        _read_int("/sys/fs/cgroup/memory.max"),
+        _read_int("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+    ]
+    return min([total, *(x for x in limits if x)])
+
+
+def default_memory_limit() -> int:
+    """A quarter of the available memory, between 256 MiB and 8 GiB: room for a few
+    streams of read-ahead without competing with the loader for memory."""
+    return max(256 << 20, min(8 << 30, available_memory_bytes() // 4))
 
 
 def redact_url(url: str) -> str:
