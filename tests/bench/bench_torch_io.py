@@ -135,9 +135,10 @@ def drop_cache(files: list[str], drop_all: bool) -> None:
 
 
 def warm_cache(files: list[str]) -> None:
+    buffer = bytearray(16 * MiB)  # reused: warming must not churn the allocator
     for name in files:
         with open(name, "rb", buffering=0) as f:
-            while f.read(64 * MiB):
+            while f.readinto(buffer):
                 pass
 
 
