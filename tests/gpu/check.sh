@@ -6,7 +6,7 @@
 #
 # 1. Finds a Python whose torch sees CUDA ($PYTHON, then ./.venv-gpu, then python3), or creates
 #    ./.venv-gpu and pip-installs torch (CUDA build from PyPI), safetensors, pytest and numpy.
-# 2. Runs tests/test_torch_io_cuda.py (pytest config ignored, so no project plugins are needed).
+# 2. Runs tests/test_torch_io_cuda.py (project pytest config and conftest ignored: no plugins needed).
 # 3. Generates a ${SIZE_MB} MiB safetensors file and benchmarks, on a warm page cache,
 #    load_safetensors against load_file + .to(cuda) and against raw pinned H2D bandwidth.
 #
@@ -53,7 +53,7 @@ nvidia-smi --query-gpu=name,memory.total,pcie.link.gen.current,pcie.link.width.c
     --format=csv 2>/dev/null || true
 
 echo "== CUDA tests"
-timeout 900 "$py" -m pytest -c /dev/null --rootdir "$PWD" -W error -p no:cacheprovider -q -rs \
+timeout 900 "$py" -m pytest -c /dev/null --rootdir "$PWD" --noconftest -W error -p no:cacheprovider -q -rs \
     tests/test_torch_io_cuda.py
 
 echo "== benchmark (${SIZE_MB} MiB, warm page cache, $DEVICE)"
