@@ -23,7 +23,20 @@ INDEFINITE = math.inf
 # answer, so objfs never refuses a bucket that exists.
 _BUCKET_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{2,254}$")
 
-SUPPORTED_SCHEMES = ("s3",)
+SUPPORTED_SCHEMES = ("s3", "az", "azure", "https")
+#: The schemes served by the Azure Blob Storage backend (``https`` only for Azure blob URLs).
+AZURE_SCHEMES = ("az", "azure", "https")
+
+# Azure container names: 3-63 lowercase letters, digits and single hyphens, starting and ending
+# with a letter or digit; "$root" and "$web" are the service's two special containers.
+_CONTAINER_RE = re.compile(r"^(?=[a-z0-9-]{3,63}$)[a-z0-9]+(?:-[a-z0-9]+)*$|^\$(?:root|web)$")
+#: Azure storage account names: 3-24 lowercase letters and digits.
+ACCOUNT_NAME_RE = re.compile(r"^[a-z0-9]{3,24}$")
+_AZURE_FORMS = {
+    "az": "az://CONTAINER/PREFIX",
+    "azure": "azure://ACCOUNT/CONTAINER/PREFIX",
+    "https": "https://ACCOUNT.blob.core.windows.net/CONTAINER/PREFIX",
+}
 
 
 @dataclass(frozen=True)
@@ -32,14 +45,27 @@ class Source:
 
     ``prefix`` is empty (the whole bucket) or ends with exactly one ``/``, whether or not the
     user typed the trailing slash: ``s3://b/models`` and ``s3://b/models/`` are the same
-    directory.
+    directory. For Azure, ``bucket`` is the container; ``account`` is the storage account when
+    SOURCE names one (``azure://``, ``https://``) and ``account_url`` the endpoint an
+    ``https://`` SOURCE names (``https://ACCOUNT.blob.core.windows.net``).
     """
 
     scheme: str
     bucket: str
     prefix: str
+    account: str | None = None
+    account_url: str | None = None
+
+    @property
+    def store(self) -> str:
+        """``"s3"`` or ``"azure"``: which backend serves this source."""
+        return "azure" if self.scheme in AZURE_SCHEMES else "s3"
 
     def url(self) -> str:
+        if self.scheme == "https":
+            return f"{self.account_url}/{self.bucket}/{self.prefix}"
+        if self.scheme == "azure":
+            return f"azure://{self.account}/{self.bucket}/{self.prefix}"
         return f"{self.scheme}://{self.bucket}/{self.prefix}"
 
 
