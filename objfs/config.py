@@ -112,6 +112,66 @@ def parse_source(text: str) -> Source:
     return Source(scheme=scheme, bucket=authority, prefix=f"{prefix}/" if prefix else "")
 
 
+def _parse_azure_source(scheme: str, rest: str) -> Source:
+    """Parse the part after ``az://``, ``azure://`` or ``https://`` (an Azure blob URL, whose
+    path is percent-decoded); same rules as s3:// for the prefix. Never echoes what could be
+    a secret."""
+    form = _AZURE_FORMS[scheme]
+    authority, _, path = rest.partition("/")
+    if "?" in rest or "#" in authority:
+        raise SourceFormatError(
+            f"SOURCE must not contain a query string: write it as {form} and give a SAS token "
+            "with AZURE_STORAGE_SAS_TOKEN or --sas-token-file"
+        )
+    if "@" in authority or ":" in authority:
+        raise SourceFormatError(
+            f"SOURCE must not contain credentials or a port: write it as {form}, a custom "
+            "endpoint with --account-url and credentials through the environment"
+        )
+    account: str | None = None
+    account_url: str | None = None
+    if scheme == "az":
+        container = authority
+    elif scheme == "azure":
+        account = authority
+        container, _, path = path.partition("/")
+    else:
+        labels = authority.lower().split(".")
+        if len(labels) < 3 or "blob" not in labels[1:]:
+            raise SourceFormatError(
+                f"an https:// SOURCE must be an Azure blob URL, {form} (for S3 use s3://BUCKET "
+                "with --endpoint-url)"
+            )
+        account, account_url = labels[0], "https://" + ".".join(labels)
+        container, _, path = path.partition("/")
+        path = urllib.parse.unquote(path)
+    if account is not None and not ACCOUNT_NAME_RE.match(account):
+        raise SourceFormatError(
+            f"{account!r} is not a valid storage account name: use 3-24 lowercase letters and "
+            f"digits ({form})"
+        )
+    if not container:
+        raise SourceFormatError(f"SOURCE has no container name: write it as {form}")
+    if not _CONTAINER_RE.match(container):
+        raise SourceFormatError(
+            f"{container!r} is not a valid container name: use 3-63 lowercase letters, digits "
+            "and single hyphens, starting and ending with a letter or digit"
+        )
+    prefix = path.strip("/")
+    if "//" in prefix or any(seg in (".", "..") for seg in prefix.split("/")):
+        raise SourceFormatError(
+            f"prefix {prefix!r} contains an empty, '.' or '..' segment: give the prefix as it "
+            f"appears in the blob names, e.g. {form.replace('PREFIX', 'models/llama')}"
+        )
+    return Source(
+        scheme=scheme,
+        bucket=container,
+        prefix=f"{prefix}/" if prefix else "",
+        account=account,
+        account_url=account_url,
+    )
+
+
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?)(i?B?)\s*$", re.IGNORECASE)
 _SIZE_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
