@@ -83,6 +83,8 @@ def parse_source(text: str) -> Source:
             + ", ".join(f"{s}://" for s in SUPPORTED_SCHEMES)
             + " (for MinIO and other S3-compatible stores use s3:// with --endpoint-url)"
         )
+    if scheme in AZURE_SCHEMES:
+        return _parse_azure_source(scheme, rest)
     authority, _, path = rest.partition("/")
     if "@" in authority or ":" in authority:
         # Never echo the text back: it may hold a secret.
