@@ -244,6 +244,28 @@ class S3Options:
 
 
 @dataclass(frozen=True)
+class AzureOptions:
+    """How to reach Azure Blob Storage. Secrets are never stored here: the backend reads them
+    from the environment or from ``sas_token_file`` when it builds its client."""
+
+    # The storage account for az:// (else $AZURE_STORAGE_ACCOUNT or the connection string's).
+    account_name: str | None = None
+    # None: https://ACCOUNT.blob.core.windows.net; set it for Azurite, sovereign clouds and
+    # private endpoints.
+    account_url: str | None = None
+    sas_token_file: str | None = None
+    # Anonymous requests (public containers): no credential is looked up.
+    no_sign_request: bool = False
+    # Same reasons as for S3: fail an unreachable endpoint in seconds, notice a stalled read.
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0
+    # Attempts per request, the first included (the SDK's retry policy, exponential backoff).
+    max_attempts: int = 5
+    # Parallel connections; the SDK's HTTP pool and the thread limiter are sized to it.
+    max_connections: int = 16
+
+
+@dataclass(frozen=True)
 class MountConfig:
     """Everything ``mount`` needs besides the backend."""
 
