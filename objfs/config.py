@@ -305,6 +305,7 @@ class MountConfig:
     log_level: str = "info"
     log_file: str | None = None
     s3: S3Options = field(default_factory=S3Options)
+    azure: AzureOptions = field(default_factory=AzureOptions)
 
     def readahead_max(self) -> int:
         if self.readahead_max_bytes is not None:
