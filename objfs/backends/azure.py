@@ -1,0 +1,613 @@
+"""Azure Blob Storage through azure-storage-blob, with the same semantics as the S3 backend.
+
+Listing: one ``/``-delimited level per request (``walk_blobs``), page by page until the
+service returns no continuation marker (5,000 entries a page by default). A blob that carries
+the metadata ``hdi_isfolder=true`` (the directory blobs of accounts with a hierarchical
+namespace, and of tools that imitate them) is a directory, also when its name has no trailing
+slash.
+
+Credentials, first match wins (:func:`resolve_credentials`): ``AZURE_STORAGE_CONNECTION_STRING``;
+``AZURE_STORAGE_KEY`` (the account key); a SAS token (``--sas-token-file``, else
+``AZURE_STORAGE_SAS_TOKEN``); ``DefaultAzureCredential`` when azure-identity is installed
+(managed identity, workload identity, az CLI; skipped when ``OBJFS_AZURE_NO_IDENTITY`` is set);
+anonymous. ``--no-sign-request`` goes straight to anonymous.
+
+Concurrency: one client (and so one ``requests.Session`` and its urllib3 pool) is shared by
+every worker thread: the Azure SDK documents its clients as immutable and safe to share
+across threads, and urllib3's pool is thread-safe. Calls run in ``trio.to_thread.run_sync``
+under one CapacityLimiter sized to ``max_connections``, and the pool holds two connections
+more, so no thread waits for a connection inside urllib3 (requests' default pool holds 10).
+
+Retries, one layer per failure kind: the SDK's retry policy (configured here: bounded attempts,
+backoff with full jitter) retries throttling, 5xx, timeouts and connection errors; the SDK's
+downloader re-requests a body that breaks off; this module adds only what neither can see, a
+complete response of the wrong length.
+
+Data path: a read is one GET of exactly the range, conditional on the ETag the handle pinned
+(``If-Match``; a replaced blob answers 412, which becomes StaleObjectError). The SDK is tuned
+so that it neither splits the range into several GETs nor copies the body: one read of the
+whole body from the socket into one ``bytes`` (no content decoding, no validation hashing).
+``tests/bench/azure_sdk_vs_raw.py`` measures this path against plain ranged GETs.
+
+Secrets never reach a log, an error or a process title: SDK exception texts can hold request
+URLs with SAS signatures, so errors are built from the error code and status only, and the
+SDK's own loggers are limited to warnings.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import datetime as _dt
+import enum
+import logging
+import os
+import random
+import urllib.parse
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import requests
+import trio
+from azure.core import MatchConditions
+from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
+from azure.core.exceptions import (
+    AzureError,
+    ClientAuthenticationError,
+    HttpResponseError,
+    ServiceRequestError,
+    ServiceResponseError,
+)
+from azure.storage.blob import BlobPrefix, BlobProperties, BlobServiceClient, ExponentialRetry
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
+
+from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source, redact_url
+from objfs.errors import (
+    AccessDeniedError,
+    BucketNotFoundError,
+    EndpointUnreachableError,
+    NoCredentialsError,
+    ObjectNotFoundError,
+    ObjfsError,
+    StaleObjectError,
+    TransientStoreError,
+    UsageError,
+)
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+#: Set (to anything) to skip DefaultAzureCredential: for tests and hosts where its probes of
+#: the instance-metadata endpoint must not happen.
+NO_IDENTITY_ENV = "OBJFS_AZURE_NO_IDENTITY"
+
+# Attempts for a complete response of the wrong length (the SDK cannot see that case).
+_BODY_ATTEMPTS = 3
+# Attempts for the pre-mount check: fail a bad endpoint in seconds, not after a long backoff.
+_CHECK_ATTEMPTS = 2
+# Backoff before retry n (from 0): uniform in [0, min(cap, base * 2**n)] ("full jitter"),
+# instead of ExponentialRetry's 15 s + 3**n, which would stall a read for minutes.
+_BACKOFF_BASE_S = 0.25
+_BACKOFF_CAP_S = 8.0
+# One GET per read, whatever its size: objfs asks for ranges of at most --part-size (1 GiB
+# at most), and the SDK would otherwise split anything over 32 MiB into sequential 4 MiB GETs.
+_MAX_GET_BYTES = 1 << 30
+# The body is read from the socket in one piece per GET up to this size, straight into the
+# bytes object that is returned (smaller pieces are joined by the SDK: one more copy).
+_READ_BLOCK_BYTES = 64 << 20
+_DEFAULT_SUFFIX = "core.windows.net"
+
+# Service error codes (https://learn.microsoft.com/rest/api/storageservices/blob-service-error-codes).
+_AUTHENTICATION_CODES = {"AuthenticationFailed", "InvalidAuthenticationInfo"}
+_ANONYMOUS_REFUSED_CODES = {
+    "NoAuthenticationInformation",
+    "PublicAccessNotPermitted",
+    "ResourceNotFound",
+    "AuthorizationFailure",
+}
+
+
+# -- credentials -------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach and sign for one storage account. ``credential`` is what the SDK takes
+    (None: anonymous); ``kind`` names its source for logs and never holds a secret."""
+
+    account_url: str
+    account_name: str | None
+    credential: Any
+    kind: str
+
+
+@dataclass(frozen=True)
+class _ConnectionString:
+    account_name: str | None
+    account_key: str | None
+    sas_token: str | None
+    account_url: str | None
+
+
+def _parse_connection_string(text: str) -> _ConnectionString:
+    """Parse ``Key=Value;...`` as the portal shows it. Errors never echo the text."""
+    fields: dict[str, str] = {}
+    for part in text.strip().split(";"):
+        if not part.strip():
+            continue
+        name, sep, value = part.partition("=")
+        if not sep or not name.strip():
+            raise UsageError(
+                "AZURE_STORAGE_CONNECTION_STRING is malformed: expected Key=Value pairs "
+                "separated by ';' (copy it from the storage account's Access keys page)"
+            )
+        fields[name.strip().lower()] = value.strip()
+    if fields.get("usedevelopmentstorage", "").lower() == "true":
+        raise UsageError(
+            "AZURE_STORAGE_CONNECTION_STRING: UseDevelopmentStorage is not supported: give "
+            "AccountName, AccountKey and BlobEndpoint instead"
+        )
+    account = fields.get("accountname") or None
+    url = fields.get("blobendpoint") or None
+    if url is not None:
+        url = _check_account_url(url, "the connection string's BlobEndpoint")
+    elif account is not None:
+        protocol = fields.get("defaultendpointsprotocol", "https").lower()
+        suffix = fields.get("endpointsuffix") or _DEFAULT_SUFFIX
+        url = f"{protocol}://{account}.blob.{suffix}"
+    key = fields.get("accountkey") or None
+    sas = fields.get("sharedaccesssignature") or None
+    if key is None and sas is None:
+        raise UsageError(
+            "AZURE_STORAGE_CONNECTION_STRING holds neither AccountKey nor "
+            "SharedAccessSignature: copy the full connection string"
+        )
+    if key is not None and account is None:
+        raise UsageError("AZURE_STORAGE_CONNECTION_STRING has an AccountKey but no AccountName")
+    return _ConnectionString(account, key, sas.lstrip("?") if sas else None, url)
+
+
+def _check_account_url(url: str, what: str) -> str:
+    """Validate an endpoint URL; errors never echo it (it could carry a SAS)."""
+    parts = urllib.parse.urlsplit(url.strip())
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UsageError(f"{what} is not a URL: give it as https://HOST[:PORT][/ACCOUNT]")
+    if parts.query or parts.fragment or "@" in parts.netloc:
+        raise UsageError(
+            f"{what} must not contain credentials or a query string: give a SAS token with "
+            "AZURE_STORAGE_SAS_TOKEN or --sas-token-file"
+        )
+    return url.strip().rstrip("/")
+
+
+def _account_from_url(url: str) -> str | None:
+    """The account an endpoint URL names: ``ACCOUNT.blob.<suffix>``, else (Azurite, IP-style
+    endpoints) the first path segment."""
+    parts = urllib.parse.urlsplit(url)
+    labels = (parts.hostname or "").split(".")
+    if len(labels) >= 3 and "blob" in labels[1:]:
+        return labels[0]
+    first = parts.path.strip("/").split("/")[0]
+    return first or None
+
+
+def _read_sas_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            token = f.read().strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) else "not text"
+        raise UsageError(f"--sas-token-file: cannot read {path!r} ({reason})") from None
+    return token
+
+
+def _check_sas(token: str, where: str) -> str:
+    token = token.strip().lstrip("?")
+    if "sig=" not in token:
+        raise UsageError(
+            f"{where} does not hold a SAS token (expected the query string sv=...&sig=...)"
+        )
+    return token
+
+
+def _check_key(key: str) -> str:
+    try:
+        base64.b64decode(key, validate=True)
+    except (binascii.Error, ValueError):
+        raise UsageError(
+            "AZURE_STORAGE_KEY is not an account key (base64): copy key1 or key2 from the "
+            "storage account's Access keys page"
+        ) from None
+    return key
+
+
+def resolve_credentials(
+    source: Source, options: AzureOptions, env: Mapping[str, str] | None = None
+) -> Credentials:
+    """Decide endpoint and credential from SOURCE, the options and ``env`` (default
+    ``os.environ``), in the documented precedence. Raises UsageError for contradictory or
+    malformed settings; never contacts anything and never constructs DefaultAzureCredential
+    unless every earlier source is absent."""
+    env = os.environ if env is None else env
+    conn: _ConnectionString | None = None
+    conn_text = env.get("AZURE_STORAGE_CONNECTION_STRING", "").strip()
+    if conn_text and not options.no_sign_request:
+        conn = _parse_connection_string(conn_text)
+
+    option_account = options.account_name
+    if option_account is not None and not ACCOUNT_NAME_RE.match(option_account):
+        raise UsageError(
+            f"--account-name: {option_account!r} is not a storage account name: use 3-24 "
+            "lowercase letters and digits"
+        )
+    if source.account and option_account and source.account != option_account:
+        raise UsageError(
+            f"SOURCE names account {source.account!r} but --account-name says "
+            f"{option_account!r}: give one of them"
+        )
+    env_account = env.get("AZURE_STORAGE_ACCOUNT", "").strip() or None
+    account = source.account or option_account or env_account or (conn and conn.account_name)
+
+    if options.account_url is not None:
+        account_url = _check_account_url(options.account_url, "--account-url")
+    elif source.account_url is not None:
+        account_url = source.account_url
+    elif conn is not None and conn.account_url is not None:
+        account_url = conn.account_url
+    elif account:
+        account_url = f"https://{account}.blob.{_DEFAULT_SUFFIX}"
+    else:
+        raise UsageError(
+            f"{source.url()} needs a storage account: pass --account-name, set "
+            "AZURE_STORAGE_ACCOUNT, or write SOURCE as azure://ACCOUNT/CONTAINER/PREFIX"
+        )
+    if not account:
+        account = _account_from_url(account_url)
+    if (
+        conn is not None
+        and conn.account_name
+        and source.account
+        and conn.account_name != source.account
+    ):
+        raise UsageError(
+            f"AZURE_STORAGE_CONNECTION_STRING is for account {conn.account_name!r} but SOURCE "
+            f"names {source.account!r}"
+        )
+
+    def found(credential: Any, kind: str) -> Credentials:
+        return Credentials(account_url, account, credential, kind)
+
+    if options.no_sign_request:
+        return found(None, "anonymous (--no-sign-request)")
+    ignored_sas_file = options.sas_token_file is not None
+    if conn is not None:
+        if conn.account_key is not None:
+            key = _check_key(conn.account_key)
+            cred: Any = AzureNamedKeyCredential(conn.account_name or "", key)
+        else:
+            cred = AzureSasCredential(_check_sas(conn.sas_token or "", "the connection string"))
+        kind = "AZURE_STORAGE_CONNECTION_STRING"
+    elif env.get("AZURE_STORAGE_KEY", "").strip():
+        if not account:
+            raise UsageError(
+                "AZURE_STORAGE_KEY needs the account name: pass --account-name or set "
+                "AZURE_STORAGE_ACCOUNT"
+            )
+        cred = AzureNamedKeyCredential(account, _check_key(env["AZURE_STORAGE_KEY"].strip()))
+        kind = "AZURE_STORAGE_KEY"
+    elif options.sas_token_file is not None:
+        token = _read_sas_file(options.sas_token_file)
+        return found(AzureSasCredential(_check_sas(token, "--sas-token-file")), "--sas-token-file")
+    elif env.get("AZURE_STORAGE_SAS_TOKEN", "").strip():
+        token = _check_sas(env["AZURE_STORAGE_SAS_TOKEN"], "AZURE_STORAGE_SAS_TOKEN")
+        return found(AzureSasCredential(token), "AZURE_STORAGE_SAS_TOKEN")
+    else:
+        identity = _default_azure_credential(env)
+        if identity is not None:
+            return found(identity, "DefaultAzureCredential")
+        return found(None, "anonymous (no credentials found)")
+    if ignored_sas_file:
+        log.warning("--sas-token-file is ignored: %s takes precedence", kind)
+    return found(cred, kind)
+
+
+def _default_azure_credential(env: Mapping[str, str]) -> Any:
+    """DefaultAzureCredential if azure-identity is installed and not switched off, else None."""
+    if env.get(NO_IDENTITY_ENV):
+        log.debug("%s is set: not trying DefaultAzureCredential", NO_IDENTITY_ENV)
+        return None
+    try:
+        from azure.identity import DefaultAzureCredential
+    except ImportError:
+        log.debug("azure-identity is not installed: no managed identity or az CLI login")
+        return None
+    return DefaultAzureCredential()
+
+
+# -- SDK configuration -------------------------------------------------------------------------
+
+
+class _JitteredRetry(ExponentialRetry):
+    """The SDK's storage retry policy with full-jitter backoff (see _BACKOFF_BASE_S)."""
+
+    def get_backoff_time(self, settings: dict[str, Any]) -> float:
+        bound = min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2 ** int(settings["count"]))
+        return random.uniform(0.0, bound)  # jitter, not cryptography
+
+
+def _session(pool_size: int) -> requests.Session:
+    """A requests session whose pool holds ``pool_size`` connections and never retries (the
+    SDK's policy is the one retry layer)."""
+    session = requests.Session()
+    adapter = HTTPAdapter(
+        pool_connections=1,  # one host
+        pool_maxsize=pool_size,
+        max_retries=Retry(total=False, redirect=False, raise_on_status=False),
+    )
+    session.mount("http://", adapter)
+    session.mount("https://", adapter)
+    return session
+
+
+def _mtime_ns(value: _dt.datetime) -> int:
+    return int(value.timestamp()) * 1_000_000_000 + value.microsecond * 1000
+
+
+def _is_folder(metadata: Mapping[str, str] | None) -> bool:
+    """True for a directory blob (``hdi_isfolder=true``; metadata names are case-insensitive)."""
+    return any(
+        k.lower() == "hdi_isfolder" and str(v).lower() == "true"
+        for k, v in (metadata or {}).items()
+    )
+
+
+def _error_code(exc: HttpResponseError) -> str:
+    code = getattr(exc, "error_code", None)
+    if isinstance(code, enum.Enum):
+        code = code.value
+    return str(code or "")
+
+
+def _next_page(pages: Iterator[Iterator[Any]]) -> list[Any] | None:
+    """Fetch the next page of a listing (blocking), or None when the listing is complete."""
+    try:
+        return list(next(pages))
+    except StopIteration:
+        return None
+
+
+# -- the backend -------------------------------------------------------------------------------
+
+
+class AzureBackend(Backend):
+    """One Azure Blob Storage container. ``page_size`` caps a listing page (None: the
+    service's 5,000); tests use small pages to exercise continuation."""
+
+    def __init__(
+        self,
+        source: Source,
+        options: AzureOptions,
+        *,
+        env: Mapping[str, str] | None = None,
+        page_size: int | None = None,
+    ) -> None:
+        self.container = source.bucket
+        self.options = options
+        self.page_size = page_size
+        creds = resolve_credentials(source, options, env)
+        self.account_url = creds.account_url
+        self.account_name = creds.account_name
+        self.credential_kind = creds.kind
+        self._anonymous = creds.credential is None
+        self._implicit_anonymous = self._anonymous and not options.no_sign_request
+        self._identity = creds.kind == "DefaultAzureCredential"
+        self.description = f"container {self.container!r} at {redact_url(self.account_url)}"
+        # The SDK logs every request at INFO (headers included); objfs logs its own events.
+        logging.getLogger("azure").setLevel(logging.WARNING)
+        log.info("Azure credentials: %s", creds.kind)
+        self._service = BlobServiceClient(
+            self.account_url,
+            credential=creds.credential,
+            # +2: listings and HEADs run beside a full set of ranged GETs.
+            session=_session(options.max_connections + 2),
+            connection_timeout=options.connect_timeout_s,
+            read_timeout=options.read_timeout_s,
+            retry_policy=_JitteredRetry(retry_total=max(options.max_attempts - 1, 0)),
+            max_single_get_size=_MAX_GET_BYTES,
+            max_chunk_get_size=_MAX_GET_BYTES,
+            connection_data_block_size=_READ_BLOCK_BYTES,
+            user_agent="objfs",
+        )
+        self._container = self._service.get_container_client(self.container)
+        self._limiter = trio.CapacityLimiter(options.max_connections)
+
+    # -- error mapping ---------------------------------------------------------------------
+
+    def _map_error(self, exc: Exception, what: str) -> ObjfsError:
+        """Turn an SDK exception into an objfs error built from codes only (never its text)."""
+        if isinstance(exc, ObjfsError):
+            return exc
+        where = redact_url(self.account_url)
+        if isinstance(exc, ClientAuthenticationError) and exc.response is None:
+            # Raised by a token credential (DefaultAzureCredential), not by the service.
+            return NoCredentialsError(
+                "no Azure credentials found (DefaultAzureCredential: no managed identity, "
+                "workload identity or az login): set AZURE_STORAGE_CONNECTION_STRING, "
+                "AZURE_STORAGE_KEY or AZURE_STORAGE_SAS_TOKEN, or use --no-sign-request for a "
+                "public container"
+            )
+        if isinstance(exc, ServiceRequestError):
+            return EndpointUnreachableError(
+                f"cannot reach {where} ({type(exc).__name__}): check the account name "
+                "(--account-name, AZURE_STORAGE_ACCOUNT), --account-url and the network"
+            )
+        if isinstance(exc, ServiceResponseError):
+            return TransientStoreError(f"{what}: connection failed ({type(exc).__name__})")
+        if isinstance(exc, HttpResponseError):
+            return self._map_status(exc, what, where)
+        if isinstance(exc, AzureError):
+            return TransientStoreError(f"{what}: {type(exc).__name__}")
+        return TransientStoreError(f"{what}: unexpected {type(exc).__name__}")
+
+    def _map_status(self, exc: HttpResponseError, what: str, where: str) -> ObjfsError:
+        code = _error_code(exc)
+        status = int(exc.status_code or 0)
+        label = code or str(status)
+        if code == "ContainerNotFound":
+            return BucketNotFoundError(
+                f"container {self.container!r} does not exist at {where}: check the container "
+                "name, the account (--account-name) and --account-url"
+            )
+        if code == "ConditionNotMet" or status == 412:
+            return StaleObjectError(f"{what}: the blob changed while it was open")
+        if code == "BlobNotFound":
+            return ObjectNotFoundError(f"{what}: not found")
+        if self._anonymous and (code in _ANONYMOUS_REFUSED_CODES or status in (401, 403)):
+            if self._implicit_anonymous:
+                return NoCredentialsError(
+                    f"no Azure credentials found and {where} refused anonymous access ({label})"
+                    ": set AZURE_STORAGE_CONNECTION_STRING, AZURE_STORAGE_KEY or "
+                    "AZURE_STORAGE_SAS_TOKEN (or install objfs[azure] for managed identity)"
+                )
+            return AccessDeniedError(
+                f"anonymous access refused: {what} ({label}): the container is not public; "
+                "drop --no-sign-request and give credentials"
+            )
+        if code in _AUTHENTICATION_CODES or status == 401:
+            return AccessDeniedError(
+                f"{where} rejected the credentials ({label}): check the account key, SAS token "
+                "or connection string (and that the SAS has not expired)"
+            )
+        if code == "AuthorizationFailure":
+            return AccessDeniedError(
+                f"{where} refused the request ({label}): check the credentials (key, SAS, "
+                "connection string) and that they may list and read the container"
+            )
+        if code.startswith("Authorization") or status == 403:
+            return AccessDeniedError(
+                f"access denied: {what} ({label}): grant read and list on the container (SAS "
+                "permissions r and l, or the Storage Blob Data Reader role)"
+            )
+        if code == "ResourceNotFound":
+            return EndpointUnreachableError(
+                f"storage account {self.account_name!r} not found at {where}: check "
+                "--account-name and --account-url"
+            )
+        if status == 404:
+            return ObjectNotFoundError(f"{what}: not found")
+        return TransientStoreError(f"{what}: store error {label}")
+
+    async def _call(self, what: str, fn: Callable[[], T]) -> T:
+        try:
+            return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+        except Exception as exc:
+            raise self._map_error(exc, what) from None
+
+    def _url(self, key: str) -> str:
+        return f"az://{self.container}/{key}"
+
+    # -- Backend ---------------------------------------------------------------------------
+
+    async def check(self, prefix: str) -> None:
+        pages = self._container.walk_blobs(
+            name_starts_with=prefix or None,
+            delimiter="/",
+            results_per_page=1,
+            retry_total=_CHECK_ATTEMPTS - 1,
+        ).by_page()
+        await self._call(f"listing {self._url(prefix)}", lambda: _next_page(pages))
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
+        what = f"listing {self._url(prefix)}"
+        pages = self._container.walk_blobs(
+            name_starts_with=prefix or None,
+            delimiter="/",
+            include=["metadata"],
+            results_per_page=self.page_size,
+        ).by_page()
+        seen: set[str] = set()  # a directory blob and its contents name one prefix twice
+        while True:
+            items = await self._call(what, lambda: _next_page(pages))
+            if items is None:
+                return
+            objects: list[ObjectInfo] = []
+            prefixes: list[str] = []
+            for item in items:
+                if isinstance(item, BlobPrefix):
+                    name = str(item.name)
+                elif isinstance(item, BlobProperties) and _is_folder(item.metadata):
+                    name = str(item.name).rstrip("/") + "/"
+                    if name == prefix:
+                        continue  # the listed directory's own blob
+                else:
+                    objects.append(
+                        ObjectInfo(
+                            key=str(item.name),
+                            size=int(item.size),
+                            etag=str(item.etag),
+                            mtime_ns=_mtime_ns(item.last_modified),
+                        )
+                    )
+                    continue
+                if name not in seen:
+                    seen.add(name)
+                    prefixes.append(name)
+            yield ListPage(objects=objects, prefixes=prefixes)
+
+    async def head(self, key: str) -> ObjectInfo:
+        what = f"HEAD {self._url(key)}"
+        blob = self._container.get_blob_client(key)
+        props = await self._call(what, blob.get_blob_properties)
+        if _is_folder(props.metadata):
+            raise ObjectNotFoundError(f"{what}: a directory blob, not a file")
+        return ObjectInfo(
+            key=key,
+            size=int(props.size),
+            etag=str(props.etag),
+            mtime_ns=_mtime_ns(props.last_modified),
+        )
+
+    def _download(self, key: str, etag: str, start: int, length: int, what: str) -> bytes:
+        """One conditional ranged GET (blocking); exactly ``length`` bytes or an exception."""
+        blob = self._container.get_blob_client(key)
+        conditions: dict[str, Any] = {}
+        if etag:
+            conditions = {"etag": etag, "match_condition": MatchConditions.IfNotModified}
+        last: Exception | None = None
+        for _ in range(_BODY_ATTEMPTS):
+            downloader = blob.download_blob(
+                offset=start,
+                length=length,
+                max_concurrency=1,
+                validate_content=False,
+                decompress=False,  # the stored bytes, also for a Content-Encoding: gzip blob
+                **conditions,
+            )
+            # One chunk for a single GET: join returns it without a copy.
+            data = b"".join(downloader.chunks())
+            if len(data) == length:
+                return data
+            last = TransientStoreError(f"{what}: got {len(data)} bytes, expected {length}")
+        assert last is not None
+        raise last
+
+    async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+        what = f"GET {self._url(key)} bytes {start}-{start + length - 1}"
+        return await self._call(what, lambda: self._download(key, etag, start, length, what))
+
+    async def read_blocks(
+        self, key: str, etag: str, start: int, length: int, block_size: int
+    ) -> list[bytes]:
+        """One GET for ``length`` bytes, cut into ``block_size`` pieces (see Backend)."""
+        data = await self.read_range(key, etag, start, length)
+        if block_size >= length:
+            return [data]
+        view = memoryview(data)
+        return [bytes(view[i : i + block_size]) for i in range(0, length, block_size)]
+
+    async def aclose(self) -> None:
+        await trio.to_thread.run_sync(self._service.close)
