@@ -12,7 +12,8 @@ Nothing here imports vLLM (or torch) at module import time.  Without vLLM, or wi
 old to have the registry, :func:`register` logs a message and does nothing.
 
 Tuning goes through ``--model-loader-extra-config``, e.g.
-``'{"threads": 16, "buffer_bytes": 33554432, "prefetch_bytes": 2147483648}'``.
+``'{"threads": 16, "buffer_bytes": 33554432, "prefetch_bytes": 2147483648, "huge_pages": true}'``
+(see :func:`objfs.torch_io.iter_safetensors`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ __all__ = ["LOAD_FORMAT", "register", "weight_files"]
 LOAD_FORMAT: Final = "objfs"
 
 # Keys of --model-loader-extra-config passed on to iter_safetensors.
-_OPTIONS: Final = frozenset({"threads", "buffer_bytes", "prefetch_bytes"})
+_OPTIONS: Final = frozenset({"threads", "buffer_bytes", "prefetch_bytes", "huge_pages"})
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +132,7 @@ def _weights(
         threads=options.get("threads"),
         buffer_bytes=options.get("buffer_bytes") or DEFAULT_BUFFER_BYTES,
         prefetch_bytes=options.get("prefetch_bytes", DEFAULT_PREFETCH_BYTES),
+        huge_pages=bool(options.get("huge_pages")),
     )
 
 

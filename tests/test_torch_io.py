@@ -122,6 +122,17 @@ def test_tensor_larger_than_buffer(tmp_path: Path, buffer_bytes: int) -> None:
     assert_same(got, safetensors_torch.load_file(str(file)))
 
 
+def test_huge_pages_option(tmp_path: Path) -> None:
+    # 9 MiB and 10 MiB tensors: large enough for the madvise(MADV_HUGEPAGE) advice.
+    tensors = {
+        "a": random_tensor(torch.float32, (9 * 1024 * 256,), seed=12),
+        "b": random_tensor(torch.uint8, (10 * 1024 * 1024 + 3,), seed=13),
+    }
+    file = save(tmp_path / "huge.safetensors", tensors)
+    got = load_safetensors(file, "cpu", huge_pages=True)
+    assert_same(got, safetensors_torch.load_file(str(file)))
+
+
 def test_many_tiny_tensors(tmp_path: Path) -> None:
     # 2,000 tensors in one read window: more than one preadv's iovec limit.
     kinds = [torch.float32, torch.bfloat16, torch.int8, torch.int64, torch.bool]
@@ -487,7 +498,8 @@ def test_vllm_loader_streams_weights_into_model(tmp_path: Path, fake_vllm: dict[
     vllm_plugin.register()
     vllm_plugin.register()  # idempotent
     loader_cls = fake_vllm[vllm_plugin.LOAD_FORMAT]
-    config = types.SimpleNamespace(model_loader_extra_config={"threads": 2, "buffer_bytes": 64})
+    options = {"threads": 2, "buffer_bytes": 64, "huge_pages": True}
+    config = types.SimpleNamespace(model_loader_extra_config=options)
     loader = loader_cls(config)
     model_config = types.SimpleNamespace(model=str(folder), quantization=None)
     loader.download_model(model_config)

@@ -163,6 +163,7 @@ def run_objfs(files: list[str], device: torch.device, args: argparse.Namespace) 
         threads=args.threads,
         buffer_bytes=args.buffer_mib * MiB,
         num_buffers=args.buffers,
+        huge_pages=args.huge_pages,
     )
     sync(device)
     del out
@@ -231,6 +232,7 @@ def main() -> None:
     parser.add_argument("--buffer-mib", type=int, default=16, help="read size / pinned buffer")
     parser.add_argument("--buffers", type=int, default=None, help="pinned buffers (CUDA)")
     parser.add_argument("--modes", default="cold,warm", help="comma list of cold, warm")
+    parser.add_argument("--huge-pages", action="store_true", help="objfs huge_pages=True (CPU)")
     parser.add_argument("--drop-caches", action="store_true", help="also drop all caches (root)")
     parser.add_argument(
         "--make", nargs=2, metavar=("SIZE_MB", "PATH"), help="write a test file and exit"
@@ -262,6 +264,7 @@ def main() -> None:
     print(
         f"\n{len(files)} file(s), {total / MiB:.0f} MiB, device {device}, "
         f"threads {args.threads or 'auto'}, buffer {args.buffer_mib} MiB, "
+        f"huge_pages {args.huge_pages}, "
         f"median of {args.repeat}, torch {torch.__version__}, {os.cpu_count()} CPUs\n"
     )
     baseline = rows[1][0]
