@@ -80,6 +80,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PEM",
         help="CA certificates for a TLS endpoint with a private CA (default: $AWS_CA_BUNDLE)",
     )
+
+    azure = m.add_argument_group(
+        "Azure", "for az://, azure:// and https://ACCOUNT.blob.core.windows.net SOURCEs"
+    )
+    azure.add_argument(
+        "--account-name",
+        metavar="NAME",
+        help="storage account of an az:// SOURCE (default: $AZURE_STORAGE_ACCOUNT, or the "
+        "connection string's)",
+    )
+    azure.add_argument(
+        "--account-url",
+        metavar="URL",
+        help="blob endpoint, e.g. http://127.0.0.1:10000/devstoreaccount1 for Azurite, a "
+        "sovereign cloud or a private endpoint (default: https://ACCOUNT.blob.core.windows.net)",
+    )
+    azure.add_argument(
+        "--sas-token-file",
+        metavar="PATH",
+        help="file holding a SAS token (default: $AZURE_STORAGE_SAS_TOKEN); the connection "
+        "string and account key take precedence",
+    )
     store.add_argument(
         "--max-connections",
         type=int,
