@@ -150,6 +150,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Options that only one kind of store understands: refused for the other, never ignored.
+_S3_OPTIONS = {
+    "endpoint_url": "--endpoint-url",
+    "region": "--region",
+    "profile": "--profile",
+    "force_path_style": "--force-path-style",
+    "ca_bundle": "--ca-bundle",
+}
+_AZURE_OPTIONS = {
+    "account_name": "--account-name",
+    "account_url": "--account-url",
+    "sas_token_file": "--sas-token-file",
+}
+
+
+def _check_store_options(args: argparse.Namespace, store: str) -> None:
+    foreign = _S3_OPTIONS if store == "azure" else _AZURE_OPTIONS
+    for dest, flag in foreign.items():
+        if getattr(args, dest) is None:
+            continue
+        if store == "azure":
+            raise UsageError(
+                f"{flag} is an S3 option: an Azure SOURCE takes --account-name, --account-url "
+                "and --sas-token-file"
+            )
+        raise UsageError(f"{flag} is an Azure option: an s3:// SOURCE takes --endpoint-url")
+
+
 def _mount_config(args: argparse.Namespace) -> MountConfig:
     source = parse_source(args.source)
     if args.max_connections < 1 or args.max_connections > 1024:
