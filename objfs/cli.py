@@ -193,8 +193,23 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
     )
+    _check_store_options(args, source.store)
+    if args.account_name is not None and not ACCOUNT_NAME_RE.match(args.account_name):
+        raise UsageError(
+            f"--account-name: {args.account_name!r} is not a storage account name: use 3-24 "
+            "lowercase letters and digits"
+        )
+    sas_file = args.sas_token_file  # absolute below: a daemon changes to / before reading it
+    azure = AzureOptions(
+        account_name=args.account_name,
+        account_url=args.account_url,
+        sas_token_file=None if sas_file is None else os.path.abspath(sas_file),
+        no_sign_request=args.no_sign_request,
+        max_connections=args.max_connections,
+    )
     return MountConfig(
         source=source,
+        azure=azure,
         mountpoint=os.path.abspath(args.mountpoint),
         foreground=args.foreground,
         allow_other=args.allow_other,
