@@ -238,6 +238,10 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     mount.setup_logging(config.log_level, config.log_file, daemon=daemon)
 
     def make_backend() -> Backend:
+        if config.source.store == "azure":
+            from objfs.backends.azure import AzureBackend
+
+            return AzureBackend(config.source, config.azure)
         from objfs.backends.s3 import S3Backend
 
         return S3Backend(config.source.bucket, config.s3)
