@@ -47,7 +47,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "mount",
         help="mount SOURCE on MOUNTPOINT",
-        description="Mount SOURCE (s3://BUCKET[/PREFIX]) read-only on MOUNTPOINT. Without "
+        description="Mount SOURCE (s3://BUCKET[/PREFIX], az://CONTAINER[/PREFIX]) read-only on "
+        "MOUNTPOINT. Without "
         "--foreground, returns once the mount serves and leaves a daemon running.",
         epilog=_exit_code_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
