@@ -53,7 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=_exit_code_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    m.add_argument("source", metavar="SOURCE", help="s3://BUCKET or s3://BUCKET/PREFIX")
+    m.add_argument(
+        "source",
+        metavar="SOURCE",
+        help="s3://BUCKET[/PREFIX], az://CONTAINER[/PREFIX], azure://ACCOUNT/CONTAINER[/PREFIX] "
+        "or https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX]",
+    )
     m.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
 
     store = m.add_argument_group("object store")
