@@ -15,8 +15,15 @@ from typing import NoReturn
 
 from objfs import __version__
 from objfs.backends.base import Backend
-from objfs.config import MountConfig, S3Options, parse_id, parse_source, parse_ttl
-from objfs.config import ACCOUNT_NAME_RE, AzureOptions
+from objfs.config import (
+    ACCOUNT_NAME_RE,
+    AzureOptions,
+    MountConfig,
+    S3Options,
+    parse_id,
+    parse_source,
+    parse_ttl,
+)
 from objfs.errors import EXIT_CODES, ObjfsError, UsageError
 
 log = logging.getLogger("objfs")
