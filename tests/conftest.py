@@ -175,3 +175,101 @@ def put_many(s3: Any, bucket: str, items: dict[str, bytes]) -> None:
 
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(put, items.items()))
+
+
+# ==============================================================================================
+# Azure Blob Storage: Azurite on loopback and az:// mounts.
+#
+# No test may reach a real storage account or DefaultAzureCredential (whose probes go to the
+# instance-metadata address): the developer's AZURE_* variables are dropped, identity is
+# switched off for every objfs this process starts, and each test passes its own credentials.
+# ==============================================================================================
+
+for _name in [n for n in os.environ if n.startswith("AZURE_")]:
+    del os.environ[_name]
+os.environ["OBJFS_AZURE_NO_IDENTITY"] = "1"
+
+_container_ids = itertools.count()
+
+
+@pytest.fixture(scope="session")
+def azurite(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    """Azurite's blob service on a free loopback port (see tests/azurite.py)."""
+    from tests.azurite import start_azurite
+
+    log = tmp_path_factory.mktemp("azurite") / "azurite.log"
+    server = start_azurite(str(log))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def azure_service(azurite: Any) -> Iterator[Any]:
+    """A BlobServiceClient for Azurite's dev account (tests set up data with it)."""
+    from azure.storage.blob import BlobServiceClient
+
+    from tests.azurite import DEV_ACCOUNT, DEV_KEY
+
+    client = BlobServiceClient(
+        azurite.account_url, credential={"account_name": DEV_ACCOUNT, "account_key": DEV_KEY}
+    )
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def container(azure_service: Any) -> str:
+    """A fresh, empty container for one test; returns its name."""
+    name = f"objfs-test-{os.getpid()}-{next(_container_ids)}"
+    azure_service.create_container(name)
+    return name
+
+
+def azure_env() -> dict[str, str]:
+    """Environment of an objfs child signed with Azurite's dev key."""
+    from tests.azurite import DEV_KEY
+
+    return {"AZURE_STORAGE_KEY": DEV_KEY}
+
+
+@pytest.fixture
+def mount_az(azurite: Any, tmp_path: Path) -> Iterator[Any]:
+    """``mount_az(source, *options, env=None)``: objfs mounts an az:// SOURCE of Azurite in the
+    foreground in a child (dev account and key unless ``env`` overrides them)."""
+    from tests.azurite import DEV_ACCOUNT
+
+    stack = contextlib.ExitStack()
+    counter = itertools.count()
+
+    def mount(source: str, *options: str, env: dict[str, str] | None = None) -> Mount:
+        n = next(counter)
+        mountpoint = tmp_path / f"azmnt{n}"
+        mountpoint.mkdir()
+        log_path = tmp_path / f"objfs-az{n}.log"
+        out_path = tmp_path / f"objfs-az{n}.out"
+        cmd = [
+            sys.executable,
+            "-m",
+            "objfs",
+            "mount",
+            source,
+            str(mountpoint),
+            "--foreground",
+            "--account-name",
+            DEV_ACCOUNT,
+            "--account-url",
+            azurite.account_url,
+            "--log-file",
+            str(log_path),
+            *options,
+        ]
+        child_env = {**azure_env(), **(env or {})}
+        mounted = stack.enter_context(run_mount(cmd, mountpoint, out_path, child_env))
+        return Mount(mounted.path, mounted.proc, log_path)
+
+    with stack:
+        yield mount
