@@ -1,0 +1,236 @@
+"""One contract, every backend: the memory fake, S3 (moto's server) and Azure (Azurite).
+
+The layers above a backend (listing cache, block cache, read-ahead) rely on exactly these
+behaviours, so each test runs once per backend against a fresh bucket or container.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import pytest
+import trio
+
+from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.backends.memory import MemoryBackend
+from objfs.errors import BucketNotFoundError, ObjectNotFoundError, StaleObjectError
+
+
+@dataclass
+class Store:
+    """A backend under test, the blocking way to write to its bucket, and its page size."""
+
+    backend: Backend
+    put: Callable[[str, bytes], object]
+    missing_bucket: Callable[[], Backend]
+    # Entries of one listing page (keys and prefixes together) as the store pages them.
+    page_size: int
+    # Zero-byte blobs marked as directories (Azure's hdi_isfolder), where the store has them.
+    put_folder: Callable[[str], None] | None = None
+
+
+def _memory_store() -> Store:
+    backend = MemoryBackend(page_size=50)
+
+    def missing_fault(op: str, key: str) -> None:
+        raise BucketNotFoundError("bucket 'missing' does not exist")
+
+    return Store(
+        backend=backend,
+        put=backend.put,  # returns the ETag, which the contract ignores
+        missing_bucket=lambda: MemoryBackend(fault=missing_fault),
+        page_size=50,
+    )
+
+
+def _s3_store(request: pytest.FixtureRequest) -> Store:
+    from objfs.backends.s3 import S3Backend
+    from objfs.config import S3Options
+
+    server = request.getfixturevalue("s3_server")
+    s3 = request.getfixturevalue("s3")
+    bucket = request.getfixturevalue("bucket")
+    options = S3Options(endpoint_url=server.url)
+    return Store(
+        backend=S3Backend(bucket, options),
+        put=lambda key, data: s3.put_object(Bucket=bucket, Key=key, Body=data),
+        missing_bucket=lambda: S3Backend("no-such-bucket-objfs", options),
+        page_size=1000,  # S3's (and moto's) ListObjectsV2 page
+    )
+
+
+def _azure_store(request: pytest.FixtureRequest) -> Store:
+    from objfs.backends.azure import AzureBackend
+    from objfs.config import AzureOptions, parse_source
+    from tests.azurite import DEV_ACCOUNT, DEV_KEY
+
+    azurite = request.getfixturevalue("azurite")
+    service = request.getfixturevalue("azure_service")
+    container = request.getfixturevalue("container")
+    client = service.get_container_client(container)
+    options = AzureOptions(account_name=DEV_ACCOUNT, account_url=azurite.account_url)
+    env = {"AZURE_STORAGE_KEY": DEV_KEY}
+    page_size = 100  # well below the service's 5,000, to keep the test fast
+
+    def make(name: str) -> Backend:
+        return AzureBackend(parse_source(f"az://{name}"), options, env=env, page_size=page_size)
+
+    return Store(
+        backend=make(container),
+        put=lambda key, data: client.upload_blob(key, data, overwrite=True),
+        missing_bucket=lambda: make("no-such-container-objfs"),
+        page_size=page_size,
+        put_folder=lambda key: client.upload_blob(
+            key, b"", overwrite=True, metadata={"hdi_isfolder": "true"}
+        ),
+    )
+
+
+@pytest.fixture(params=["memory", "s3", "azure"])
+def store(request: pytest.FixtureRequest) -> Iterator[Store]:
+    kind = request.param
+    made = (
+        _memory_store()
+        if kind == "memory"
+        else _s3_store(request)
+        if kind == "s3"
+        else _azure_store(request)
+    )
+    yield made
+    trio.run(made.backend.aclose)
+
+
+def put_many(store: Store, items: dict[str, bytes]) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda item: store.put(*item), items.items()))
+
+
+async def listing(backend: Backend, prefix: str) -> tuple[list[ListPage], dict[str, ObjectInfo]]:
+    pages = [page async for page in backend.list_prefix(prefix)]
+    return pages, {o.key: o for page in pages for o in page.objects}
+
+
+async def test_listing_pages_through_keys_and_common_prefixes(store: Store) -> None:
+    # Files and sub-prefixes, interleaved in key order, 10% more than one page of each.
+    n = store.page_size * 11 // 20 + 1
+    items = {f"big/f{i:04d}.bin": f"file {i}".encode() for i in range(n)}
+    items.update({f"big/d{i:04d}/leaf.txt": f"leaf {i}".encode() for i in range(n)})
+    items["big/d0000/deeper/x"] = b"deeper keys roll up into their first-level prefix"
+    items["bigger/not-under-the-prefix.txt"] = b"x"
+    items["big.txt"] = b"a sibling whose name starts like the prefix"
+    await trio.to_thread.run_sync(put_many, store, items)
+
+    pages, objects = await listing(store.backend, "big/")
+    assert len(pages) > 1, "expected more than one page"
+    assert set(objects) == {f"big/f{i:04d}.bin" for i in range(n)}
+    prefixes = [p for page in pages for p in page.prefixes]
+    assert sorted(prefixes) == [f"big/d{i:04d}/" for i in range(n)]  # each exactly once
+    assert objects["big/f0007.bin"].size == len(b"file 7")
+
+    _, deeper = await listing(store.backend, "big/d0000/")
+    assert set(deeper) == {"big/d0000/leaf.txt"}
+    root_pages, root_objects = await listing(store.backend, "")
+    assert set(root_objects) == {"big.txt"}
+    assert sorted(p for page in root_pages for p in page.prefixes) == ["big/", "bigger/"]
+    empty_pages, empty = await listing(store.backend, "nothing-here/")
+    assert empty == {}
+    assert all(not page.prefixes for page in empty_pages)
+
+
+async def test_directory_markers_list_as_prefixes(store: Store) -> None:
+    items = {"m/": b"", "m/empty/": b"", "m/full/": b"", "m/full/a.txt": b"a", "m/file": b"f"}
+    await trio.to_thread.run_sync(put_many, store, items)
+    expected_prefixes = {"m/empty/", "m/full/"}
+    if store.put_folder is not None:
+        # hdi_isfolder blobs carry no trailing slash, and may stand beside their contents.
+        for key in ("m/hns-empty", "m/hns-full"):
+            await trio.to_thread.run_sync(store.put_folder, key)
+        await trio.to_thread.run_sync(store.put, "m/hns-full/b.txt", b"b")
+        expected_prefixes |= {"m/hns-empty/", "m/hns-full/"}
+
+    pages, objects = await listing(store.backend, "m/")
+    prefixes = [p for page in pages for p in page.prefixes]
+    assert sorted(prefixes) == sorted(expected_prefixes)  # each exactly once
+    # The listed prefix's own marker comes back as an object named like the prefix; fs skips it.
+    assert set(objects) - {"m/"} == {"m/file"}
+    if store.put_folder is not None:
+        with pytest.raises(ObjectNotFoundError):
+            await store.backend.head("m/hns-empty")  # a directory, not a file
+
+
+async def test_head_reports_size_etag_and_mtime(store: Store) -> None:
+    data = os.urandom(70_001)
+    await trio.to_thread.run_sync(store.put, "h/obj.bin", data)
+    info = await store.backend.head("h/obj.bin")
+    assert info.key == "h/obj.bin"
+    assert info.size == len(data)
+    assert info.etag
+    assert abs(info.mtime_ns - time.time_ns()) < 600 * 10**9  # within minutes: same clock
+    _, objects = await listing(store.backend, "h/")
+    assert objects["h/obj.bin"] == info  # the listing and HEAD agree, ETag format included
+
+
+async def test_read_range_returns_exact_bytes(store: Store) -> None:
+    data = os.urandom(3 * 1024 * 1024 + 12345)
+    await trio.to_thread.run_sync(store.put, "r/obj.bin", data)
+    etag = (await store.backend.head("r/obj.bin")).etag
+    size = len(data)
+    for start, length in [
+        (0, 1),
+        (0, size),  # the whole object
+        (1024 * 1024 - 7, 2 * 1024 * 1024 + 3),  # unaligned, from the middle
+        (size // 2, 4096),
+        (size - 1, 1),  # the last byte
+        (size - 100_000, 100_000),  # up to the end
+    ]:
+        got = await store.backend.read_range("r/obj.bin", etag, start, length)
+        assert type(got) is bytes
+        assert got == data[start : start + length], (start, length)
+
+
+async def test_read_after_overwrite_is_stale(store: Store) -> None:
+    await trio.to_thread.run_sync(store.put, "s/obj.bin", b"version one " * 1000)
+    old = await store.backend.head("s/obj.bin")
+    await trio.to_thread.run_sync(store.put, "s/obj.bin", b"version two!" * 1000)
+    with pytest.raises(StaleObjectError):
+        await store.backend.read_range("s/obj.bin", old.etag, 0, 100)
+    new = await store.backend.head("s/obj.bin")
+    assert new.etag != old.etag
+    assert await store.backend.read_range("s/obj.bin", new.etag, 0, 12) == b"version two!"
+
+
+async def test_missing_key_is_not_found(store: Store) -> None:
+    await trio.to_thread.run_sync(store.put, "x/present.txt", b"here")
+    with pytest.raises(ObjectNotFoundError):
+        await store.backend.head("x/absent.txt")
+    etag = (await store.backend.head("x/present.txt")).etag
+    with pytest.raises(ObjectNotFoundError):
+        await store.backend.read_range("x/absent.txt", etag, 0, 1)
+
+
+async def test_check_passes_and_a_missing_bucket_fails(store: Store) -> None:
+    await store.backend.check("")
+    await store.backend.check("no/such/prefix/")  # an empty prefix is a valid (empty) mount
+    missing = store.missing_bucket()
+    try:
+        with pytest.raises(BucketNotFoundError):
+            await missing.check("")
+    finally:
+        await missing.aclose()
+
+
+def test_every_backend_is_covered() -> None:
+    """A new backend module must join the contract (add it to the ``store`` fixture)."""
+    import objfs.backends
+
+    modules = {
+        name[:-3]
+        for name in os.listdir(os.path.dirname(objfs.backends.__file__))
+        if name.endswith(".py") and name not in ("__init__.py", "base.py")
+    }
+    assert modules == {"memory", "s3", "azure"}
