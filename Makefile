@@ -11,7 +11,14 @@ APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
-.PHONY: help setup sysdeps lint format test demo clean
+# Azurite, the Azure Storage emulator the Azure tests run against, installed with npm into a
+# git-ignored folder. 3.35.0 is the last release whose package declares support for Node 18
+# (Debian 12's nodejs); checked to start and serve under Node 18.20.
+AZURITE_VERSION := 3.35.0
+NPM_TOOLS := .npm-tools
+AZURITE_STAMP := $(NPM_TOOLS)/.azurite-$(AZURITE_VERSION)
+
+.PHONY: help setup sysdeps nodejs azurite lint format test demo clean
 
 help:
 	@echo "make demo   - local S3 server + small model + objfs mount + transformers load"
