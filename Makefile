@@ -44,7 +44,23 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	@touch $(STAMP)
 
-setup: sysdeps $(STAMP)
+# Node.js and npm from apt only when npm is missing: Debian's npm package conflicts with a
+# NodeSource nodejs (which ships its own npm), so they are not in APT_PACKAGES.
+nodejs:
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "apt-get install: nodejs npm"; \
+	  $(SUDO) apt-get update -qq && \
+	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends nodejs npm; \
+	}
+
+$(AZURITE_STAMP):
+	@$(MAKE) --no-print-directory nodejs
+	npm install --prefix $(NPM_TOOLS) --no-audit --no-fund --loglevel=error azurite@$(AZURITE_VERSION)
+	@touch $(AZURITE_STAMP)
+
+azurite: $(AZURITE_STAMP)
+
+setup: sysdeps $(STAMP) azurite
 
 lint: setup
 	$(VENV)/bin/ruff check objfs tests
