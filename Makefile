@@ -78,4 +78,4 @@ demo: setup
 	$(PY) -m objfs.demo
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info $(NPM_TOOLS)
