@@ -35,9 +35,9 @@ the spread is run-to-run noise of a shared machine):
 | objfs read_blocks (1 MiB) | 0.65-0.80x raw | 0.75-0.96x raw | 0.58-0.82 ms |
 
 What the tuning removed: the SDK's split of a range into a 32 MiB first GET plus 4 MiB GETs,
-its 256 KiB socket reads joined into the result (a copy and, for 8 MiB, two page faults per
-page: 56-223 faults per MiB above, 0 now), content decoding, and per-request environment
-lookups by requests. What remains is per-request CPU in the SDK's pipeline: about 1.3 ms a
+its 256 KiB socket reads joined into the result (a copy into a fresh buffer: 56-223 page
+faults per MiB above, 0 now), content decoding, and per-request environment lookups by
+requests. What remains is per-request CPU in the SDK's pipeline: about 1.3 ms a
 request (0.3 ms of it Shared Key signing) against 0.2 ms for raw http.client. Against a loopback
 server that answers in microseconds this shows in the single-stream figure; over a real network,
 where an 8 MiB GET takes tens of milliseconds, it is a few percent.
