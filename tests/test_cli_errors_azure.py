@@ -213,3 +213,17 @@ def test_help_has_an_azure_group() -> None:
     assert res.returncode == 0
     for text in ("Azure:", "--account-name", "--account-url", "--sas-token-file", "az://"):
         assert text in res.stdout
+
+
+def test_unknown_account(azurite: Any, mnt: Path) -> None:
+    """Azurite answers ResourceNotFound for an account it does not have (Azure itself: the
+    name does not resolve, which is the 'cannot reach' case above)."""
+    res = objfs(
+        "mount",
+        "az://models/m",
+        str(mnt),
+        "--account-url",
+        f"{azurite.url}/otheraccount",
+        env=env_with(AZURE_STORAGE_KEY=DEV_KEY),
+    )
+    assert_one_line_error(res, 8, "storage account 'otheraccount' not found", "--account-name")
