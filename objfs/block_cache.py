@@ -1,28 +1,33 @@
-"""Memory tier of fixed-size blocks keyed by object version, with single-flight fetches.
+"""Memory tier of fixed-size blocks keyed by object version, under a global byte budget.
 
 Concurrency invariants (trio, one thread):
 
-* The LRU and the in-flight table are touched only from the trio thread; backends run their
-  blocking work in worker threads and hand back bytes, so cachetools needs no locking.
-* Concurrent misses on the same :class:`BlockKey` share one fetch. The fetching task sets the
-  event in ``finally``, so waiters wake on failure too; a waiter whose leader failed with an
-  ``Exception`` sees that exception, a waiter whose leader was cancelled retries the fetch.
+* The LRU, the in-flight table and the budget are touched only from the trio thread;
+  backends and the disk tier run their blocking work in worker threads and hand back bytes,
+  so no locking is needed.
+* A fetch first *claims* the blocks it will fill (``claim``): later readers of a claimed block
+  wait on its event instead of sending another GET, across handles and processes. The
+  fetcher always ``finish``-es its claim (in ``finally``), so waiters wake on failure and on
+  cancellation too; a waiter that then finds no block fetches it itself.
+* The budget counts cached blocks plus reserved (in-flight) bytes. Blocks that were
+  prefetched but not read yet are *fresh*; blocks read at least once are *used*. A prefetch
+  may evict only used blocks (least recently used first) and otherwise waits until a reader
+  consumes a block or a fetch finishes: that wait is the backpressure that keeps the daemon
+  inside ``--memory-limit`` without prefetches evicting each other's unread data. A reader's
+  own fetch (demand) may evict fresh blocks too, newest first (the furthest ahead of its
+  reader), so it never waits on read-ahead.
 
-Blocks are keyed by (key, ETag, index): a new object version never meets an old block, so the
-cache never needs invalidation.
+Blocks are keyed by (key, ETag, block number): a new object version never meets an old block,
+so the cache never needs invalidation.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Hashable
-from dataclasses import dataclass, field
-from typing import Generic, NamedTuple, TypeVar
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import NamedTuple
 
-import cachetools
 import trio
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
 
 
 class BlockKey(NamedTuple):
@@ -31,88 +36,136 @@ class BlockKey(NamedTuple):
     block: int  # block number: the block starts at block * block_size
 
 
-@dataclass
-class _Call(Generic[V]):
-    event: trio.Event = field(default_factory=trio.Event)
-    value: V | None = None
-    error: Exception | None = None
-    done: bool = False
-
-
-class SingleFlight(Generic[K, V]):
-    """Run at most one ``fetch`` per key at a time; concurrent callers share its result."""
-
-    def __init__(self) -> None:
-        self._calls: dict[K, _Call[V]] = {}
-
-    def in_flight(self, key: K) -> bool:
-        return key in self._calls
-
-    async def run(self, key: K, fetch: Callable[[], Awaitable[V]]) -> V:
-        while True:
-            call = self._calls.get(key)
-            if call is None:
-                break
-            await call.event.wait()
-            if call.error is not None:
-                raise call.error
-            if call.done:
-                return call.value  # type: ignore[return-value]
-            # The leader was cancelled: try again, possibly as the new leader.
-        call = _Call[V]()
-        self._calls[key] = call
-        try:
-            call.value = await fetch()
-            call.done = True
-            return call.value
-        except Exception as exc:
-            call.error = exc
-            raise
-        finally:
-            del self._calls[key]
-            call.event.set()
-
-
 class BlockCache:
-    """An LRU of blocks bounded in bytes, plus single-flight loading."""
+    """Fresh and used blocks plus the in-flight table, bounded together by ``capacity_bytes``."""
 
     def __init__(self, capacity_bytes: int) -> None:
         self.capacity_bytes = capacity_bytes
-        self._lru: cachetools.LRUCache[BlockKey, bytes] = cachetools.LRUCache(
-            maxsize=max(capacity_bytes, 1), getsizeof=len
-        )
-        self._flight: SingleFlight[BlockKey, bytes] = SingleFlight()
+        self._used: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._fresh: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._cached_bytes = 0
+        self._reserved_bytes = 0  # claimed by fetches in flight
+        self._inflight: dict[BlockKey, trio.Event] = {}
+        self._space = trio.Event()  # set (and replaced) whenever bytes are released
+        # Called whenever memory may have become available (set by the read-ahead queue).
+        self.on_space: Callable[[], None] | None = None
         self.hits = 0
-        self.misses = 0
+        self.inserts = 0
+        self.evictions = 0
+        self.peak_bytes = 0
+
+    # -- lookups ---------------------------------------------------------------------------
 
     def get_nowait(self, key: BlockKey) -> bytes | None:
-        data = self._lru.get(key)
+        """Return a cached block (marking it used and recent), or None."""
+        data = self._used.get(key)
         if data is not None:
-            self.hits += 1
+            self._used.move_to_end(key)
+        else:
+            data = self._fresh.pop(key, None)
+            if data is None:
+                return None
+            self._used[key] = data
+            self._wake()  # a consumed block is evictable by prefetches now
+        self.hits += 1
         return data
 
-    def is_cached_or_loading(self, key: BlockKey) -> bool:
-        return key in self._lru or self._flight.in_flight(key)
+    def contains(self, key: BlockKey) -> bool:
+        return key in self._used or key in self._fresh
 
-    async def get(self, key: BlockKey, fetch: Callable[[], Awaitable[bytes]]) -> bytes:
-        """Return the block, fetching it once however many tasks ask at the same time."""
-        data = self.get_nowait(key)
-        if data is not None:
-            return data
+    def pending(self, key: BlockKey) -> trio.Event | None:
+        """The event of a fetch in flight for ``key``, if any."""
+        return self._inflight.get(key)
 
-        async def load() -> bytes:
-            self.misses += 1
-            block = await fetch()
-            if len(block) <= self.capacity_bytes:
-                self._lru[key] = block
-            return block
+    def is_cached_or_pending(self, key: BlockKey) -> bool:
+        return self.contains(key) or key in self._inflight
 
-        return await self._flight.run(key, load)
+    # -- budget ----------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._cached_bytes + self._reserved_bytes
+
+    def _wake(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
+        if self.on_space is not None:
+            self.on_space()
+
+    def _evict_one(self, *, demand: bool) -> bool:
+        if self._used:
+            _, data = self._used.popitem(last=False)
+        elif demand and self._fresh:
+            # The newest unread block is the furthest ahead of its reader: the cheapest loss.
+            _, data = self._fresh.popitem(last=True)
+        else:
+            return False
+        self._cached_bytes -= len(data)
+        self.evictions += 1
+        return True
+
+    def try_reserve(self, nbytes: int, *, demand: bool) -> bool:
+        """Reserve ``nbytes`` now, evicting blocks if needed; False if it cannot."""
+        while self.used_bytes + nbytes > self.capacity_bytes:
+            if not self._evict_one(demand=demand):
+                return False
+        self._reserved_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        return True
+
+    async def reserve(self, nbytes: int, *, demand: bool) -> None:
+        """Reserve ``nbytes``, waiting while the budget is full.
+
+        A demand request that cannot fit while nothing else is reserved is let through, so a
+        budget smaller than one fetch slows objfs down but never deadlocks it.
+        """
+        while not self.try_reserve(nbytes, demand=demand):
+            if demand and self._reserved_bytes == 0:
+                self._reserved_bytes += nbytes
+                self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+                return
+            await self._space.wait()
+
+    def unreserve(self, nbytes: int) -> None:
+        if nbytes:
+            self._reserved_bytes -= nbytes
+            self._wake()
+
+    # -- claims ----------------------------------------------------------------------------
+
+    def claim(self, keys: list[BlockKey]) -> list[BlockKey]:
+        """Mark the keys that are neither cached nor in flight as in flight; return them."""
+        mine = [k for k in keys if not self.contains(k) and k not in self._inflight]
+        event = trio.Event()
+        for k in mine:
+            self._inflight[k] = event
+        return mine
+
+    def finish(self, keys: list[BlockKey]) -> None:
+        """End a claim (fetched or not) and wake everyone waiting on it."""
+        events = {self._inflight.pop(k) for k in keys if k in self._inflight}
+        for event in events:
+            event.set()
+        self._wake()  # the blocks it cached are evictable by readers' own fetches
+
+    def put(self, key: BlockKey, data: bytes, *, used: bool) -> None:
+        """Insert a block whose bytes were reserved: they move from reserved to cached."""
+        for table in (self._used, self._fresh):
+            old = table.pop(key, None)
+            if old is not None:
+                self._cached_bytes -= len(old)
+        (self._used if used else self._fresh)[key] = data
+        self._cached_bytes += len(data)
+        self._reserved_bytes -= len(data)
+        self.inserts += 1
 
     def statistics(self) -> dict[str, int]:
         return {
             "hits": self.hits,
-            "misses": self.misses,
-            "cached_bytes": int(self._lru.currsize),
+            "inserts": self.inserts,
+            "evictions": self.evictions,
+            "cached_bytes": self._cached_bytes,
+            "inflight_bytes": self._reserved_bytes,
+            "peak_bytes": self.peak_bytes,
             "capacity_bytes": self.capacity_bytes,
         }

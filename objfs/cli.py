@@ -20,7 +20,9 @@ from objfs.config import (
     AzureOptions,
     MountConfig,
     S3Options,
+    default_memory_limit,
     parse_id,
+    parse_size,
     parse_source,
     parse_ttl,
 )
@@ -115,12 +117,49 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding a SAS token (default: $AZURE_STORAGE_SAS_TOKEN); the connection "
         "string and account key take precedence",
     )
-    store.add_argument(
+
+    perf = m.add_argument_group("performance and caching")
+    perf.add_argument(
         "--max-connections",
         type=int,
         default=S3Options.max_connections,
         metavar="N",
-        help="parallel connections to the store (default: %(default)s)",
+        help="parallel requests to the store (default: %(default)s)",
+    )
+    perf.add_argument(
+        "--part-size",
+        metavar="SIZE",
+        default="8M",
+        help="bytes per ranged GET of read-ahead (default: %(default)s)",
+    )
+    perf.add_argument(
+        "--memory-limit",
+        metavar="SIZE",
+        help="budget for in-flight and buffered data (default: a quarter of the machine's or "
+        "cgroup's memory, 256M to 8G)",
+    )
+    perf.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="persistent block cache, kept across unmount and restart (default: none)",
+    )
+    perf.add_argument(
+        "--cache-size",
+        metavar="SIZE",
+        default="64G",
+        help="cap of the disk cache (default: %(default)s)",
+    )
+    perf.add_argument(
+        "--cache-min-free",
+        metavar="SIZE",
+        help="free space to leave on the cache's disk (default: 10%% of it, at most 5G)",
+    )
+    perf.add_argument(
+        "--read-ahead-kb",
+        type=int,
+        default=MountConfig.read_ahead_kb,
+        metavar="KB",
+        help="kernel read-ahead of the mount; 0 keeps the kernel's (default: %(default)s)",
     )
 
     fs = m.add_argument_group("file system")
@@ -206,6 +245,21 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
     )
+    if not 0 <= args.read_ahead_kb <= 1 << 20:
+        raise UsageError(f"--read-ahead-kb: {args.read_ahead_kb} is out of range: 0 to 1048576")
+    part_size = parse_size(args.part_size, option="--part-size")
+    if not 1 << 20 <= part_size <= 1 << 30:
+        raise UsageError(f"--part-size: {args.part_size!r} is out of range: give 1M to 1G")
+    memory_limit = (
+        default_memory_limit()
+        if args.memory_limit is None
+        else parse_size(args.memory_limit, option="--memory-limit")
+    )
+    if memory_limit < 2 * part_size:
+        raise UsageError(
+            f"--memory-limit: {args.memory_limit!r} is below two parts ({2 * part_size >> 20}M):"
+            " raise it or lower --part-size"
+        )
     _check_store_options(args, source.store)
     if args.account_name is not None and not ACCOUNT_NAME_RE.match(args.account_name):
         raise UsageError(
@@ -223,6 +277,14 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
     return MountConfig(
         source=source,
         azure=azure,
+        part_size_bytes=part_size,
+        memory_limit_bytes=memory_limit,
+        cache_dir=None if args.cache_dir is None else os.path.abspath(args.cache_dir),
+        cache_size_bytes=parse_size(args.cache_size, option="--cache-size"),
+        cache_min_free_bytes=None
+        if args.cache_min_free is None
+        else parse_size(args.cache_min_free, option="--cache-min-free"),
+        read_ahead_kb=args.read_ahead_kb,
         mountpoint=os.path.abspath(args.mountpoint),
         foreground=args.foreground,
         allow_other=args.allow_other,

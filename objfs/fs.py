@@ -13,12 +13,22 @@
 * An open handle is pinned to the ETag the object had at open; every read of that handle is
   conditional on it, so a replaced object yields StaleObjectError, never a mix of versions.
 
-Concurrency: everything here runs on the trio thread. Listings and block fetches are
-single-flight (see :mod:`objfs.block_cache`).
+Reads go through three tiers: the memory :class:`~objfs.block_cache.BlockCache` (a read that
+hits it returns without waiting on anything), the optional persistent
+:class:`~objfs.disk_cache.DiskCache`, and ranged GETs of ``part_size`` bytes. Read-ahead
+(:mod:`objfs.readahead`) decides what to fetch ahead of each sequential stream; files every
+loader reads whole (``*.safetensors``) are fetched ahead from open. A random read fetches
+only the blocks it touches.
+
+Concurrency: everything here runs on the trio thread. Listings are single-flight; a block is
+fetched once however many handles and processes want it (see :mod:`objfs.block_cache`).
+Read-ahead waits for memory budget *before* it claims blocks, so a reader never waits on a
+prefetch that itself waits for the reader to consume something.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
 import os
 import stat
@@ -29,8 +39,9 @@ from dataclasses import dataclass, field
 import trio
 
 from objfs.backends.base import Backend, ObjectInfo
-from objfs.block_cache import BlockCache, BlockKey, SingleFlight
+from objfs.block_cache import BlockCache, BlockKey
 from objfs.config import MountConfig
+from objfs.disk_cache import DiskCache
 from objfs.errors import (
     BadFileHandleError,
     IsADirectoryFsError,
@@ -39,6 +50,8 @@ from objfs.errors import (
     ReadOnlyError,
     StaleObjectError,
 )
+from objfs.readahead import Readahead
+from objfs.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +92,20 @@ class Handle:
     key: str
     etag: str
     size: int
-    next_offset: int = 0  # where a sequential reader will read next
+    readahead: Readahead
+    # Read-ahead tasks of this handle, cancelled when it is released.
+    scopes: set[trio.CancelScope] = field(default_factory=set)
+
+
+@dataclass
+class _Job:
+    """Read-ahead of blocks [first, stop) of one handle, waiting in the queue."""
+
+    handle: Handle
+    first: int
+    stop: int
+    claim: tuple[list[BlockKey], int] | None  # (claimed blocks, bytes reserved), or not yet
+    scope: trio.CancelScope
 
 
 @dataclass
@@ -116,11 +142,28 @@ def posix_name(name: str) -> bytes | None:
 class FileSystem:
     """Read-only tree over one backend. Call :meth:`start` with a nursery before reading."""
 
-    def __init__(self, backend: Backend, config: MountConfig) -> None:
+    def __init__(
+        self, backend: Backend, config: MountConfig, disk: DiskCache | None = None
+    ) -> None:
         self.backend = backend
         self.config = config
         self.block_size = config.block_size_bytes
-        self.cache = BlockCache(config.memory_cache_blocks * config.block_size_bytes)
+        self.part_blocks = max(1, config.part_size_bytes // config.block_size_bytes)
+        self.cache = BlockCache(config.memory_limit_bytes)
+        self.disk = disk
+        # Disk reads and writes run in threads; a few suffice to keep one disk busy.
+        self._disk_limiter = trio.CapacityLimiter(4)
+        # Read-ahead runs queued jobs in order on all connections but two, which stay free
+        # for the readers' own (demand) fetches: a random read never queues behind a file.
+        self._prefetch_workers = max(1, config.s3.max_connections - 2)
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._starved: list[_Job] = []  # jobs waiting for memory
+        self._memory_generation = 0  # counts releases of memory
+        self._starved_at = 0  # the generation at which a job last failed to get memory
+        self._work = trio.Event()  # set when a job is queued or memory is released
+        self._queued_job_of: dict[BlockKey, _Job] = {}
+        self.cache.on_space = self._work_available
+        self._disk_write_bytes = 0  # queued for the disk tier, bounded below
         self.uid = os.getuid() if config.uid is None else config.uid
         self.gid = os.getgid() if config.gid is None else config.gid
         self.mount_time_ns = time.time_ns()
@@ -139,8 +182,10 @@ class FileSystem:
         self._next_inode = ROOT_INODE + 1
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Give the file system a nursery for read-ahead tasks."""
+        """Give the file system a nursery for read-ahead and disk-cache tasks."""
         self._nursery = nursery
+        for _ in range(self._prefetch_workers):
+            nursery.start_soon(self._prefetch_worker)
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -325,11 +370,50 @@ class FileSystem:
         keep_cache = node.page_cache_etag == node.etag
         node.page_cache_etag = node.etag
         fh = self._new_fh()
-        self._handles[fh] = Handle(fh, node, node.key, node.etag, node.size)
+        readahead = Readahead(
+            node.size,
+            initial_window=self.config.readahead_initial_bytes,
+            max_window=self.config.readahead_max(),
+        )
+        handle = Handle(fh, node, node.key, node.etag, node.size, readahead)
+        self._handles[fh] = handle
+        self._share_windows()
+        if node.key.endswith(self.config.prefetch_on_open_suffixes):
+            whole = readahead.start_whole_file()
+            if whole is not None:
+                # Not tied to this handle: loaders often open a shard once for its header and
+                # again for its data, and the prefetch should outlive the first open.
+                self._prefetch(handle, whole, cancellable=False)
         return fh, keep_cache
 
+    def _share_windows(self) -> None:
+        """Split the read-ahead share of the budget (half) among the open files that can use
+        it, so concurrent streams do not evict each other's unread blocks."""
+        big = [h for h in self._handles.values() if h.size > self.config.part_size_bytes]
+        share = self.config.readahead_max() // max(1, len(big))
+        window = max(self.config.part_size_bytes, share)
+        for h in big:
+            h.readahead.max_window = window
+            for stream in h.readahead.streams:
+                stream.window = min(stream.window, window)
+
     def release(self, fh: int) -> None:
-        self._handles.pop(fh, None)
+        """Close a handle and cancel its read-ahead: queued jobs and fetches in flight."""
+        handle = self._handles.pop(fh, None)
+        if handle is None:
+            return
+        self._share_windows()
+        for scope in handle.scopes:
+            scope.cancel()
+        # Queued jobs never start: end their claims now so readers do not wait on them.
+        self._starved = [j for j in self._starved if not j.scope.cancel_called]
+        for job in [j for j in self._jobs if j.scope.cancel_called]:
+            self._jobs.remove(job)
+            if job.claim is not None:
+                for key in job.claim[0]:
+                    self._queued_job_of.pop(key, None)
+                self.cache.finish(job.claim[0])
+                self.cache.unreserve(job.claim[1])
 
     def _handle(self, fh: int) -> Handle:
         try:
@@ -337,28 +421,16 @@ class FileSystem:
         except KeyError:
             raise BadFileHandleError(f"file handle {fh} is not open") from None
 
-    def _block_count(self, handle: Handle) -> int:
-        return -(-handle.size // self.block_size)
-
     def _block_key(self, handle: Handle, index: int) -> BlockKey:
         return BlockKey(handle.key, handle.etag, index)
 
-    async def _block(self, handle: Handle, index: int) -> bytes:
-        start = index * self.block_size
-        length = min(self.block_size, handle.size - start)
+    def _block_count(self, handle: Handle) -> int:
+        return _ceil_div(handle.size, self.block_size)
 
-        async def fetch() -> bytes:
-            try:
-                return await self.backend.read_range(handle.key, handle.etag, start, length)
-            except StaleObjectError:
-                # The next open must see the new version: forget what we knew.
-                handle.node.checked_at = -float("inf")
-                self._listings.pop(handle.node.parent, None)
-                raise
+    def _block_length(self, handle: Handle, index: int) -> int:
+        return min(self.block_size, handle.size - index * self.block_size)
 
-        return await self.cache.get(self._block_key(handle, index), fetch)
-
-    async def read(self, fh: int, offset: int, size: int) -> bytes:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
         handle = self._handle(fh)
         if handle.node.etag != handle.etag:
@@ -368,36 +440,244 @@ class FileSystem:
         end = min(offset + size, handle.size)
         if offset >= end:
             return b""
-        first, last = offset // self.block_size, (end - 1) // self.block_size
-        sequential = offset == handle.next_offset
-        handle.next_offset = end
-        if sequential:
-            self._schedule_readahead(handle, last + 1)
-        base = first * self.block_size
+        window = handle.readahead.on_read(offset, end - offset)
+        if window is not None:
+            self._prefetch(handle, window, cancellable=True)
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
         if first == last:
-            block = await self._block(handle, first)
-            return block[offset - base : end - base]
-        # A kernel request spans at most a few blocks, and read-ahead has usually started
-        # them already, so fetching them in order costs little.
-        blocks = [await self._block(handle, i) for i in range(first, last + 1)]
-        return b"".join(blocks)[offset - base : end - base]
+            block = self.cache.get_nowait(self._block_key(handle, first))
+            if block is None:
+                block = await self._demand(handle, first)
+            base = first * bs
+            if offset == base and end - base == len(block):
+                return block
+            return memoryview(block)[offset - base : end - base]
+        pieces: list[memoryview] = []
+        for index in range(first, last + 1):
+            block = self.cache.get_nowait(self._block_key(handle, index))
+            if block is None:
+                block = await self._demand(handle, index)
+            base = index * bs
+            pieces.append(memoryview(block)[max(offset, base) - base : min(end, base + bs) - base])
+        return b"".join(pieces)
 
-    def _schedule_readahead(self, handle: Handle, from_index: int) -> None:
+    async def _demand(self, handle: Handle, index: int) -> bytes:
+        """A reader needs block ``index`` now: wait for its fetch in flight, or fetch it."""
+        key = self._block_key(handle, index)
+        event = self.cache.pending(key)
+        if event is not None:
+            self._expedite(key)
+            await event.wait()
+            data = self.cache.get_nowait(key)
+            if data is not None:
+                return data
+            # The fetch failed, was cancelled or its block was evicted already: fetch it here.
+        await self._fetch(handle, index, index + 1, demand=True)
+        data = self.cache.get_nowait(key)
+        if data is None:  # claimed by another reader meanwhile: wait for it once more
+            event = self.cache.pending(key)
+            if event is not None:
+                await event.wait()
+            data = self.cache.get_nowait(key)
+        if data is None:  # budget smaller than a block, or repeated eviction: read around it
+            data = await self.backend.read_range(
+                handle.key, handle.etag, index * self.block_size, self._block_length(handle, index)
+            )
+        return data
+
+    def _prefetch(self, handle: Handle, window: tuple[int, int], *, cancellable: bool) -> None:
+        """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts."""
         if self._nursery is None:
             return
-        last_index = (handle.size - 1) // self.block_size
-        for index in range(
-            from_index, min(from_index + self.config.readahead_blocks, last_index + 1)
-        ):
-            if not self.cache.is_cached_or_loading(self._block_key(handle, index)):
-                self._nursery.start_soon(self._prefetch, handle, index)
+        bs, part = self.block_size, self.part_blocks
+        count = self._block_count(handle)
+        first = window[0] // bs
+        # Round the end up to a part boundary: every GET is a whole part, and every stream and
+        # handle asks for the same parts.
+        stop = min(count, _ceil_div(_ceil_div(window[1], bs), part) * part)
+        index = first
+        while index < stop:
+            part_end = min(stop, (index // part + 1) * part)
+            keys = [self._block_key(handle, i) for i in range(index, part_end)]
+            if not all(self.cache.is_cached_or_pending(k) for k in keys):
+                # Claim now if memory allows, so a reader arriving next waits for this fetch
+                # instead of sending its own; otherwise the job waits for memory first.
+                claim = self._try_claim(handle, index, part_end, demand=False)
+                if claim is None or claim[0]:
+                    job = _Job(handle, index, part_end, claim, trio.CancelScope())
+                    if cancellable:
+                        handle.scopes.add(job.scope)
+                    self._jobs.append(job)
+                    for key in claim[0] if claim else ():
+                        self._queued_job_of[key] = job
+                    self._work.set()
+            index = part_end
 
-    async def _prefetch(self, handle: Handle, index: int) -> None:
+    def _expedite(self, key: BlockKey) -> None:
+        """A reader waits for ``key``: move the queued job that will fetch it to the front."""
+        job = self._queued_job_of.get(key)
+        if job is not None and self._jobs and self._jobs[0] is not job:
+            self._jobs.remove(job)
+            self._jobs.appendleft(job)
+
+    def _work_available(self) -> None:
+        self._memory_generation += 1
+        self._work.set()
+
+    async def _next_job(self) -> _Job:
+        """The oldest runnable job: queued first, then those that waited for memory."""
+        while True:
+            if self._jobs:
+                return self._jobs.popleft()
+            # Retry jobs that waited for memory once memory was released since they failed.
+            if self._starved and self._memory_generation != self._starved_at:
+                self._jobs.extend(self._starved)
+                self._starved.clear()
+                continue
+            self._work = trio.Event()
+            await self._work.wait()
+
+    async def _prefetch_worker(self) -> None:
+        """Run queued read-ahead jobs in order; one worker per read-ahead connection.
+
+        A job that could not reserve memory when queued tries again here; if memory is still
+        short it waits aside (holding no claim and no worker) until memory is released.
+        """
+        while True:
+            job = await self._next_job()
+            if job.scope.cancel_called:
+                continue
+            if job.claim is None:
+                if job.handle.readahead.passed(job.stop * self.block_size):
+                    continue  # the readers got there first (their own fetches did the work)
+                job.claim = self._try_claim(job.handle, job.first, job.stop, demand=False)
+                if job.claim is None:
+                    self._starved.append(job)
+                    self._starved_at = self._memory_generation
+                    continue
+            else:
+                for key in job.claim[0]:
+                    self._queued_job_of.pop(key, None)
+            try:
+                with job.scope:
+                    await self._fetch(
+                        job.handle, job.first, job.stop, demand=False, claim=job.claim
+                    )
+            except Exception as exc:
+                # The reader that needs these blocks fetches them again and sees the error.
+                log.debug("read-ahead of %s block %d failed: %s", job.handle.key, job.first, exc)
+            finally:
+                job.handle.scopes.discard(job.scope)
+
+    def _claim_reserved(
+        self, handle: Handle, first: int, stop: int, total: int
+    ) -> tuple[list[BlockKey], int]:
+        """With ``total`` bytes reserved for [first, stop): claim the blocks nobody has or is
+        fetching, give back the bytes of the others; returns (claimed, bytes reserved)."""
+        claimed = self.cache.claim([self._block_key(handle, i) for i in range(first, stop)])
+        reserved = sum(self._block_length(handle, k.block) for k in claimed)
+        self.cache.unreserve(total - reserved)
+        return claimed, reserved
+
+    def _try_claim(
+        self, handle: Handle, first: int, stop: int, *, demand: bool
+    ) -> tuple[list[BlockKey], int] | None:
+        total = sum(self._block_length(handle, i) for i in range(first, stop))
+        if not self.cache.try_reserve(total, demand=demand):
+            return None
+        return self._claim_reserved(handle, first, stop, total)
+
+    async def _fetch(
+        self,
+        handle: Handle,
+        first: int,
+        stop: int,
+        *,
+        demand: bool,
+        claim: tuple[list[BlockKey], int] | None = None,
+    ) -> None:
+        """Fetch blocks [first, stop) that nobody else has or is fetching into the cache.
+
+        Order: reserve memory (may wait), claim the blocks, then take a connection. A claim is
+        never held while waiting for memory, so readers cannot deadlock on read-ahead.
+        """
+        if claim is None:
+            total = sum(self._block_length(handle, i) for i in range(first, stop))
+            await self.cache.reserve(total, demand=demand)
+            claim = self._claim_reserved(handle, first, stop, total)
+        claimed, reserved = claim
         try:
-            await self._block(handle, index)
-        except Exception as exc:
-            # The reader that needs this block will fetch it again and see the error itself.
-            log.debug("read-ahead of %s block %d failed: %s", handle.key, index, exc)
+            for run in _runs([k.block for k in claimed]):
+                reserved -= await self._fetch_run(handle, run[0], run[-1] + 1, demand=demand)
+        finally:
+            self.cache.finish(claimed)
+            self.cache.unreserve(reserved)
+
+    async def _fetch_run(self, handle: Handle, first: int, stop: int, *, demand: bool) -> int:
+        """Fill claimed blocks [first, stop) from disk or the store; returns bytes cached."""
+        stored = 0
+        missing = list(range(first, stop))
+        if self.disk is not None and self.disk.enabled:
+            found = await trio.to_thread.run_sync(
+                self._disk_read_many, handle, missing, limiter=self._disk_limiter
+            )
+            for index, data in found.items():
+                self.cache.put(self._block_key(handle, index), data, used=False)
+                stored += len(data)
+            missing = [i for i in missing if i not in found]
+        for run in _runs(missing):
+            start = run[0] * self.block_size
+            length = sum(self._block_length(handle, i) for i in run)
+            try:
+                blocks = await self.backend.read_blocks(
+                    handle.key, handle.etag, start, length, self.block_size
+                )
+            except StaleObjectError:
+                # The next open must see the new version: forget what we knew.
+                handle.node.checked_at = -float("inf")
+                self._listings.pop(handle.node.parent, None)
+                raise
+            for index, data in zip(run, blocks, strict=True):
+                self.cache.put(self._block_key(handle, index), data, used=False)
+                stored += len(data)
+            self._write_to_disk(handle, list(zip(run, blocks, strict=True)))
+        return stored
+
+    def _disk_read_many(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
+        assert self.disk is not None
+        found: dict[int, bytes] = {}
+        for index in indexes:
+            data = self.disk.read(self._block_key(handle, index), self._block_length(handle, index))
+            if data is not None:
+                found[index] = data
+        return found
+
+    def _write_to_disk(self, handle: Handle, blocks: list[tuple[int, bytes]]) -> None:
+        disk = self.disk
+        if disk is None or not disk.enabled or self._nursery is None:
+            return
+        nbytes = sum(len(b) for _, b in blocks)
+        # The blocks waiting for the disk are memory outside the budget: bound them.
+        if self._disk_write_bytes + nbytes > self.cache.capacity_bytes // 4:
+            log.debug("disk cache behind; not caching %s blocks %d+", handle.key, blocks[0][0])
+            return
+        self._disk_write_bytes += nbytes
+        keys = [(self._block_key(handle, i), b) for i, b in blocks]
+
+        def write_all() -> None:
+            for key, data in keys:
+                disk.write(key, data)
+
+        async def write() -> None:
+            try:
+                await trio.to_thread.run_sync(write_all, limiter=self._disk_limiter)
+            except Exception:
+                log.exception("disk cache write failed")
+            finally:
+                self._disk_write_bytes -= nbytes
+
+        self._nursery.start_soon(write)
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -405,4 +685,21 @@ class FileSystem:
             "open_files": len(self._handles),
             "open_dirs": len(self._dir_handles),
             **self.cache.statistics(),
+            **(self.disk.statistics() if self.disk is not None else {}),
         }
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _runs(indexes: list[int]) -> Iterator[list[int]]:
+    """Split sorted block numbers into runs of consecutive numbers."""
+    run: list[int] = []
+    for index in indexes:
+        if run and index != run[-1] + 1:
+            yield run
+            run = []
+        run.append(index)
+    if run:
+        yield run

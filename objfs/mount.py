@@ -13,6 +13,8 @@ answer only this process can give. The daemon's parent does the final check inst
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import errno
 import logging
 import logging.handlers
@@ -31,6 +33,7 @@ import trio
 
 from objfs.backends.base import Backend
 from objfs.config import MountConfig
+from objfs.disk_cache import DiskCache
 from objfs.errors import (
     AlreadyMountedError,
     FuseUnavailableError,
@@ -41,6 +44,7 @@ from objfs.errors import (
     NotMountedError,
     ObjfsError,
     UnmountFailedError,
+    UsageError,
 )
 from objfs.fs import FileSystem
 from objfs.fuse_ops import ObjfsOperations
@@ -104,7 +108,9 @@ def mount_entry(path: str) -> tuple[str, str] | None:
     Reads the kernel's table instead of stat-ing the path, which would hang on a mount whose
     daemon is stuck and fail on one whose daemon died.
     """
-    target = os.path.realpath(path)
+    # Resolve the parent only: stat-ing a mount root blocks while its daemon is stuck.
+    absolute = os.path.abspath(path)
+    target = os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
     found: tuple[str, str] | None = None
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
@@ -194,12 +200,114 @@ async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
             return
 
 
+def open_disk_cache(config: MountConfig, backend: Backend) -> DiskCache | None:
+    """The persistent tier, or None; a cache directory that cannot be used is a usage error."""
+    if config.cache_dir is None:
+        return None
+    min_free = config.cache_min_free_bytes
+    try:
+        if min_free is None:
+            os.makedirs(config.cache_dir, mode=0o700, exist_ok=True)
+            st = os.statvfs(config.cache_dir)
+            # 10% of the cache's file system, at most 5 GiB: never fill the disk.
+            min_free = min(5 << 30, st.f_blocks * st.f_frsize // 10)
+        return DiskCache(
+            config.cache_dir,
+            namespace=backend.description,
+            block_size=config.block_size_bytes,
+            size_limit_bytes=config.cache_size_bytes,
+            min_free_bytes=min_free,
+        )
+    except OSError as exc:
+        raise UsageError(
+            f"--cache-dir {config.cache_dir}: {exc.strerror}: give a writable directory "
+            "on a local disk"
+        ) from None
+
+
+def _mount_devnum(mountpoint: str) -> tuple[int, int] | None:
+    """(major, minor) of the mount at ``mountpoint``, read from mountinfo.
+
+    ``mountpoint`` must already be a real path: resolving it (realpath) would stat the mount
+    root, a request only this process can answer, and hang it.
+    """
+    target = mountpoint
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields = line.split()
+            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == target:
+                major, minor = fields[2].split(":")
+                found = (int(major), int(minor))
+    return found
+
+
+def _write_sysfs(path: str, value: int) -> bool:
+    try:
+        with open(path, "w") as f:
+            f.write(f"{value}\n")
+    except OSError as exc:
+        log.info("kernel tuning: cannot write %s (%s); keeping the default", path, exc.strerror)
+        return False
+    return True
+
+
+def tune_kernel(config: MountConfig) -> None:
+    """Raise the mount's read-ahead and the FUSE connection's queue, where permitted.
+
+    pyfuse3 exposes neither; sysfs does. Runs after the mount exists and touches only sysfs,
+    never the mountpoint itself (``config.mountpoint`` is a real path, resolved in
+    :func:`serve` before mounting).
+    """
+    dev = _mount_devnum(config.mountpoint)
+    if dev is None:
+        return
+    major, minor = dev
+    if config.read_ahead_kb > 0 and _write_sysfs(
+        f"/sys/class/bdi/{major}:{minor}/read_ahead_kb", config.read_ahead_kb
+    ):
+        log.info("kernel read-ahead for %s: %d KiB", config.mountpoint, config.read_ahead_kb)
+    connections = "/sys/fs/fuse/connections"
+    if os.geteuid() == 0 and os.path.isdir(connections) and not os.listdir(connections):
+        # The fusectl file system holds the per-connection knobs; mount it if nobody has.
+        subprocess.run(
+            ["mount", "-t", "fusectl", "fusectl", connections], capture_output=True, check=False
+        )
+    conn = os.path.join(connections, str((major << 20) | minor))
+    if not os.path.isdir(conn):
+        log.info("kernel tuning: %s is not available; keeping the FUSE queue default", conn)
+        return
+    background = config.max_background
+    # Order matters: the kernel rejects a threshold above the current max_background.
+    if _write_sysfs(os.path.join(conn, "max_background"), background) and _write_sysfs(
+        os.path.join(conn, "congestion_threshold"), background * 3 // 4
+    ):
+        log.info("FUSE queue for %s: max_background %d", config.mountpoint, background)
+
+
+def limit_heap_growth() -> None:
+    """Return freed block buffers to the kernel promptly.
+
+    glibc raises its mmap threshold after the first large free, after which megabyte blocks
+    come from the heap and fragmentation keeps the RSS high; a fixed threshold and few arenas
+    keep the daemon's RSS close to its budget.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    m_arena_max, m_mmap_threshold = -8, -3  # from <malloc.h>
+    libc.mallopt(m_mmap_threshold, 256 * 1024)
+    libc.mallopt(m_arena_max, 4)
+
+
 async def serve_async(
     config: MountConfig, backend: Backend, on_ready: Callable[[], None] = lambda: None
 ) -> None:
     """Check the bucket, mount, serve until a signal or an unmount, then unmount."""
     await backend.check(config.source.prefix)
-    fs = FileSystem(backend, config)
+    disk = open_disk_cache(config, backend)
+    fs = FileSystem(backend, config, disk)
     ops = ObjfsOperations(fs)
     try:
         pyfuse3.init(ops, config.mountpoint, fuse_options(config))
@@ -210,6 +318,7 @@ async def serve_async(
         raise MountFailedError(f"mounting {config.mountpoint} failed ({exc}){hint}") from None
     log.info("mounted %s on %s", backend.description, config.mountpoint)
     try:
+        tune_kernel(config)
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)
@@ -221,7 +330,7 @@ async def serve_async(
         with trio.CancelScope(shield=True):
             pyfuse3.close(unmount=True)
             await backend.aclose()
-    log.info("objfs stopped")
+    log.info("objfs stopped: %s", fs.statistics())
 
 
 async def _announce(on_ready: Callable[[], None]) -> None:
@@ -249,6 +358,9 @@ def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd:
     try:
         check_mountpoint(config.mountpoint)
         check_fuse()
+        limit_heap_growth()
+        # A real path from here on: nothing may resolve it once it is mounted (see tune_kernel).
+        config = dataclasses.replace(config, mountpoint=os.path.realpath(config.mountpoint))
         backend = backend_factory()
         trio.run(serve_async, config, backend, ready)
     except ObjfsError as exc:

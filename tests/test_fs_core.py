@@ -260,21 +260,3 @@ async def test_deleted_object_gives_enoent_after_ttl() -> None:
         await fs.getattr(inode)
     with pytest.raises(ObjectNotFoundError):
         await fs.lookup(ROOT_INODE, b"f")
-
-
-async def test_sequential_reads_prefetch_ahead() -> None:
-    backend = MemoryBackend(latency_s=0.01)
-    data = os.urandom(8 * MiB)
-    backend.put("p/f", data)
-    fs = make_fs(backend, block_size_bytes=MiB, readahead_blocks=4)
-    async with trio.open_nursery() as nursery:
-        fs.start(nursery)
-        fh, _ = await fs.open(await resolve(fs, "f"), os.O_RDONLY)
-        assert await fs.read(fh, 0, 128 * 1024) == data[: 128 * 1024]
-        await trio.sleep(0.1)  # let the read-ahead tasks finish
-        assert backend.statistics()["get"] == 5  # block 0 plus 4 blocks ahead
-        out = bytearray()
-        for off in range(0, len(data), 128 * 1024):
-            out += await fs.read(fh, off, 128 * 1024)
-        assert bytes(out) == data
-        assert backend.statistics()["get"] == 8  # every block fetched exactly once

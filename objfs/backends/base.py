@@ -73,5 +73,16 @@ class Backend(abc.ABC):
         StaleObjectError (never bytes of the other version).
         """
 
+    async def read_blocks(
+        self, key: str, etag: str, start: int, length: int, block_size: int
+    ) -> list[bytes]:
+        """Read ``length`` bytes from ``start`` with one request, cut into ``block_size``
+        pieces (the last may be shorter). Same contract as :meth:`read_range`; backends
+        override it to fill the pieces from the response stream without a join and a split.
+        """
+        data = await self.read_range(key, etag, start, length)
+        view = memoryview(data)
+        return [bytes(view[i : i + block_size]) for i in range(0, length, block_size)]
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections and threads."""

@@ -158,4 +158,5 @@ class MemoryBackend(Backend):
         data = obj.read(start, length)
         if len(data) != length:
             raise ObjfsError(f"range {start}+{length} is past the end of {key!r}")
+        self.requests["get_bytes"] += length
         return data

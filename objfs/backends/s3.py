@@ -244,9 +244,16 @@ class S3Backend(Backend):
         )
 
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
-        what = f"GET s3://{self.bucket}/{key} bytes {start}-{start + length - 1}"
+        blocks = await self.read_blocks(key, etag, start, length, length)
+        return blocks[0]
 
-        def fetch() -> bytes:
+    async def read_blocks(
+        self, key: str, etag: str, start: int, length: int, block_size: int
+    ) -> list[bytes]:
+        what = f"GET s3://{self.bucket}/{key} bytes {start}-{start + length - 1}"
+        sizes = [min(block_size, length - i) for i in range(0, length, block_size)]
+
+        def fetch() -> list[bytes]:
             kwargs: dict[str, Any] = {
                 "Bucket": self.bucket,
                 "Key": key,
@@ -258,17 +265,24 @@ class S3Backend(Backend):
             for _ in range(_BODY_ATTEMPTS):
                 try:
                     resp = self._client.get_object(**kwargs)
-                    body = resp["Body"]
+                    body: Any = resp["Body"]
+                    raw = body._raw_stream  # the urllib3 response: exact-size reads, no join
                     try:
-                        data = body.read()
+                        blocks = [raw.read(n) for n in sizes]
                     finally:
                         body.close()
                 except _BODY_ERRORS as exc:
                     last = exc
                     continue
-                if len(data) == length:
-                    return data
-                last = TransientStoreError(f"{what}: got {len(data)} bytes, expected {length}")
+                except Exception as exc:  # urllib3's own protocol errors mid-body
+                    if type(exc).__module__.startswith("urllib3"):
+                        last = exc
+                        continue
+                    raise
+                got = sum(len(b) for b in blocks)
+                if got == length:
+                    return blocks
+                last = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
             assert last is not None
             raise last
 

@@ -1,0 +1,95 @@
+"""Sequential-stream detection and the read-ahead window, per open file.
+
+One open file may carry several streams: a loader that maps a file and touches tensors in
+order is one stream, but several processes reading one file through one descriptor
+(diffusers, forked workers) are several, interleaved. So a handle keeps up to
+``MAX_STREAMS`` streams and matches each read to the stream it continues:
+
+* a read continues a stream when it starts between ``BACKWARD_TOLERANCE`` (or the stream's
+  window, if larger) before and ``FORWARD_TOLERANCE`` after the stream's next expected offset
+  (the kernel reorders and skips a little);
+* a continued stream doubles its window, from ``initial_window`` up to ``max_window``;
+* a read that continues no stream starts one; at offset 0 it is presumed sequential (files
+  are read from the start), elsewhere it is random until its next read continues it, and a
+  random read fetches only the blocks it touches.
+
+This module only decides *what* to fetch; :mod:`objfs.fs` fetches it. Pure and synchronous, so
+it is tested without I/O.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MiB = 1024 * 1024
+# Mountpoint for S3 tolerates the same: the kernel's own read-ahead and concurrent page
+# faults arrive slightly out of order.
+FORWARD_TOLERANCE = 16 * MiB
+BACKWARD_TOLERANCE = 1 * MiB
+# More streams than this on one handle are treated as random access.
+MAX_STREAMS = 8
+
+
+@dataclass
+class Stream:
+    next_offset: int
+    window: int
+    scheduled_until: int  # prefetch has been requested for [.., scheduled_until)
+    last_used: int
+
+
+class Readahead:
+    """Read-ahead state of one open file of ``size`` bytes."""
+
+    def __init__(self, size: int, *, initial_window: int, max_window: int) -> None:
+        self.size = size
+        self.initial_window = initial_window
+        self.max_window = max(max_window, initial_window)
+        self.streams: list[Stream] = []
+        self._clock = 0
+
+    def _match(self, offset: int) -> Stream | None:
+        for stream in self.streams:
+            # Behind the stream: within the tolerance, or within its own window (requests the
+            # kernel issued together may arrive a little out of order).
+            behind = max(BACKWARD_TOLERANCE, stream.window)
+            if stream.next_offset - behind <= offset <= stream.next_offset + FORWARD_TOLERANCE:
+                return stream
+        return None
+
+    def on_read(self, offset: int, length: int) -> tuple[int, int] | None:
+        """Record a read of ``length`` bytes at ``offset``; return the byte range
+        ``(start, end)`` to prefetch now (never overlapping earlier requests), or None."""
+        self._clock += 1
+        end = min(offset + length, self.size)
+        stream = self._match(offset)
+        if stream is None:
+            window = self.initial_window if offset == 0 else 0
+            stream = Stream(end, window, end, self._clock)
+            if len(self.streams) >= MAX_STREAMS:
+                self.streams.remove(min(self.streams, key=lambda s: s.last_used))
+            self.streams.append(stream)
+        else:
+            stream.window = min(max(stream.window * 2, self.initial_window), self.max_window)
+            stream.next_offset = max(stream.next_offset, end)
+            stream.last_used = self._clock
+        start = max(stream.scheduled_until, end)
+        stop = min(self.size, stream.next_offset + stream.window)
+        if stop <= start:
+            return None
+        stream.scheduled_until = stop
+        return start, stop
+
+    def passed(self, offset: int) -> bool:
+        """True if every stream has read beyond ``offset`` (prefetching before it is late)."""
+        return bool(self.streams) and all(s.next_offset >= offset for s in self.streams)
+
+    def start_whole_file(self) -> tuple[int, int] | None:
+        """Presume a sequential reader from offset 0 at full window (e.g. safetensors files,
+        which every loader reads whole); return the first range to prefetch."""
+        if self.size == 0:
+            return None
+        stop = min(self.size, self.max_window)
+        self._clock += 1
+        self.streams.append(Stream(0, self.max_window, stop, self._clock))
+        return 0, stop

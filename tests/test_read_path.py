@@ -1,0 +1,369 @@
+"""Read-ahead, single-flight, the memory budget and the disk cache, against the memory backend.
+
+Request counts come from the memory backend's statistics, so each test states exactly how many
+GETs a pattern of reads costs.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import trio
+
+from objfs.backends.memory import MemoryBackend
+from objfs.block_cache import BlockKey
+from objfs.config import MountConfig, S3Options, parse_source
+from objfs.disk_cache import DiskCache
+from objfs.fs import ROOT_INODE, FileSystem
+from objfs.readahead import FORWARD_TOLERANCE, Readahead
+
+MiB = 1024 * 1024
+
+
+def config(**kwargs: object) -> MountConfig:
+    base: dict[str, object] = {
+        "source": parse_source("s3://bkt/p"),
+        "mountpoint": "/unused",
+        "block_size_bytes": MiB,
+        "part_size_bytes": 4 * MiB,
+        "memory_limit_bytes": 64 * MiB,
+    }
+    base.update(kwargs)
+    return MountConfig(**base)  # type: ignore[arg-type]
+
+
+def disk_cache(directory: Path, **kwargs: int) -> DiskCache:
+    options = {"size_limit_bytes": 1 << 30, "min_free_bytes": 0, **kwargs}
+    return DiskCache(str(directory), namespace="memory://", block_size=MiB, **options)
+
+
+async def open_file(fs: FileSystem, name: str) -> int:
+    node = await fs.lookup(ROOT_INODE, name.encode())
+    fh, _ = await fs.open(node.inode, os.O_RDONLY)
+    return fh
+
+
+async def read_all(fs: FileSystem, fh: int, size: int, chunk: int = MiB) -> bytes:
+    out = bytearray()
+    for off in range(0, size, chunk):
+        out += await fs.read(fh, off, chunk)
+    return bytes(out)
+
+
+async def settle() -> None:
+    """Let background fetches finish (memory backend latency is 0 or tiny)."""
+    for _ in range(5):
+        await trio.sleep(0.02)
+
+
+# -- the read-ahead decision, pure ---------------------------------------------------------
+
+
+def test_window_doubles_for_a_sequential_stream() -> None:
+    ra = Readahead(1 << 30, initial_window=MiB, max_window=16 * MiB)
+    assert ra.on_read(0, 128 * 1024) == (128 * 1024, 128 * 1024 + MiB)
+    windows = []
+    offset = 128 * 1024
+    for _ in range(8):
+        got = ra.on_read(offset, 128 * 1024)
+        offset += 128 * 1024
+        assert got is not None
+        windows.append(ra.streams[0].window)
+    assert windows == [2 * MiB, 4 * MiB, 8 * MiB, 16 * MiB, 16 * MiB, 16 * MiB, 16 * MiB, 16 * MiB]
+
+
+def test_random_reads_prefetch_nothing() -> None:
+    ra = Readahead(1 << 30, initial_window=MiB, max_window=16 * MiB)
+    for offset in (500 * MiB, 100 * MiB, 900 * MiB, 300 * MiB):
+        assert ra.on_read(offset, 4096) is None
+
+
+def test_interleaved_streams_on_one_handle() -> None:
+    """Two readers of one descriptor (e.g. forked workers) are two streams, both sequential."""
+    ra = Readahead(1 << 30, initial_window=MiB, max_window=64 * MiB)
+    a, b = 0, 512 * MiB
+    for _ in range(6):
+        ra.on_read(a, MiB)
+        ra.on_read(b, MiB)
+        a += MiB
+        b += MiB
+    assert len(ra.streams) == 2
+    assert [s.window for s in ra.streams] == [32 * MiB, 16 * MiB]  # b started as random
+
+
+def test_small_forward_skips_and_reordering_stay_sequential() -> None:
+    ra = Readahead(1 << 30, initial_window=MiB, max_window=64 * MiB)
+    ra.on_read(0, MiB)
+    ra.on_read(2 * MiB, MiB)  # skipped one request
+    ra.on_read(MiB, MiB)  # the skipped one arrives late
+    ra.on_read(3 * MiB + FORWARD_TOLERANCE - MiB, MiB)
+    assert len(ra.streams) == 1
+    assert ra.streams[0].window == 8 * MiB  # doubled three times from 1 MiB
+
+
+def test_prefetch_ranges_never_overlap() -> None:
+    ra = Readahead(100 * MiB, initial_window=MiB, max_window=8 * MiB)
+    covered: list[tuple[int, int]] = []
+    for off in range(0, 100 * MiB, MiB):
+        got = ra.on_read(off, MiB)
+        if got:
+            covered.append(got)
+    for (_, end), (start, _) in itertools.pairwise(covered):
+        assert start >= end
+    assert covered[-1][1] == 100 * MiB
+
+
+# -- fetching ---------------------------------------------------------------------------
+
+
+async def test_sequential_read_fetches_each_part_once(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend()
+    data = os.urandom(32 * MiB + 5)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config())
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    assert await read_all(fs, fh, len(data), chunk=128 * 1024) == data
+    await settle()
+    gets = backend.statistics()["get"]
+    # 33 blocks in parts of 4 blocks: at least 9 GETs; demand reads of the first blocks may
+    # split a part, but no block is fetched twice.
+    assert 9 <= gets <= 12
+    assert fs.cache.statistics()["inserts"] == 33
+
+
+async def test_random_reads_fetch_only_what_they_touch(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend()
+    data = os.urandom(64 * MiB)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config())
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    # More than the 16 MiB forward tolerance apart, so no read continues another.
+    offsets = [37 * MiB + 100, 2 * MiB + 7, 60 * MiB, 19 * MiB + 4000]
+    for off in offsets:
+        assert await fs.read(fh, off, 4096) == data[off : off + 4096]
+    await settle()
+    assert backend.statistics()["get"] == len(offsets)
+    assert fs.cache.statistics()["inserts"] == len(offsets)  # one block each
+
+
+async def test_safetensors_are_fetched_whole_on_open(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend()
+    data = os.urandom(20 * MiB)
+    backend.put("p/model.safetensors", data)
+    backend.put("p/other.bin", data)
+    fs = FileSystem(backend, config())
+    fs.start(nursery)
+    fs.release(await open_file(fs, "other.bin"))
+    await settle()
+    assert backend.statistics().get("get", 0) == 0  # opening alone fetches nothing
+    fh = await open_file(fs, "model.safetensors")
+    fs.release(fh)  # released at once: the whole-file prefetch goes on
+    await settle()
+    assert backend.statistics()["get"] == 5  # 20 blocks in parts of 4
+    fh = await open_file(fs, "model.safetensors")
+    assert await read_all(fs, fh, len(data)) == data
+    assert backend.statistics()["get"] == 5  # every read was a hit
+
+
+async def test_concurrent_readers_of_one_block_share_one_get(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend(latency_s=0.05)
+    data = os.urandom(8 * MiB)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config())
+    fs.start(nursery)
+    handles = [await open_file(fs, "f.bin") for _ in range(6)]
+    results: dict[int, bytes] = {}
+
+    async def read(i: int, fh: int) -> None:
+        results[i] = bytes(await fs.read(fh, 3 * MiB + 100, 4096))
+
+    async with trio.open_nursery() as readers:
+        for i, fh in enumerate(handles):
+            readers.start_soon(read, i, fh)
+    assert set(results.values()) == {data[3 * MiB + 100 : 3 * MiB + 4196]}
+    assert backend.statistics()["get"] == 1
+
+
+@pytest.mark.parametrize("budget_mib", [8, 64])
+async def test_memory_budget_bounds_buffers(nursery: trio.Nursery, budget_mib: int) -> None:
+    """Four streams under a budget: the cache never holds more than the budget, and with room
+    for each stream's parts read-ahead never evicts what a reader has not read yet."""
+    backend = MemoryBackend(latency_s=0.001)
+    files = {f"f{i}.safetensors": os.urandom(24 * MiB) for i in range(4)}
+    for name, data in files.items():
+        backend.put(f"p/{name}", data)
+    fs = FileSystem(backend, config(memory_limit_bytes=budget_mib * MiB))
+    fs.start(nursery)
+    handles = {name: await open_file(fs, name) for name in files}
+    out: dict[str, bytes] = {}
+
+    async def reader(name: str) -> None:
+        out[name] = await read_all(fs, handles[name], len(files[name]))
+
+    async with trio.open_nursery() as readers:
+        for name in files:
+            readers.start_soon(reader, name)
+    assert out == files
+    assert fs.cache.statistics()["peak_bytes"] <= budget_mib * MiB
+    total = sum(len(d) for d in files.values())
+    fetched = backend.statistics()["get_bytes"]
+    if budget_mib == 64:
+        assert fetched == total, (fetched - total) / MiB  # nothing fetched twice
+    else:
+        # Two blocks per stream: a reader's own fetch may evict another's unread block, but
+        # the refetches stay few.
+        assert total <= fetched <= total * 5 // 4
+
+
+async def test_released_handle_cancels_its_read_ahead(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend(latency_s=0.05)
+    data = os.urandom(64 * MiB)
+    backend.put("p/f.bin", data)
+    # Three connections: read-ahead gets one, so its parts queue up behind each other.
+    fs = FileSystem(backend, config(readahead_max_bytes=64 * MiB, s3=S3Options(max_connections=3)))
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    for off in range(0, 8 * MiB, MiB):  # grow the window to cover the whole file
+        await fs.read(fh, off, MiB)
+    fs.release(fh)
+    await trio.sleep(1.0)  # 16 parts at 0.05 s each would all be done by now
+    assert backend.statistics()["get_bytes"] <= 32 * MiB
+
+
+# -- the disk tier ------------------------------------------------------------------------
+
+
+async def test_disk_cache_serves_a_remount_without_gets(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    data = os.urandom(10 * MiB + 123)
+    first = MemoryBackend()
+    etag = first.put("p/m.safetensors", data)
+    fs = FileSystem(first, config(), disk_cache(tmp_path / "cache"))
+    fs.start(nursery)
+    fh = await open_file(fs, "m.safetensors")
+    assert await read_all(fs, fh, len(data)) == data
+    await settle()
+    assert (tmp_path / "cache").stat().st_mode & 0o777 == 0o700
+    # "Remount": a new file system and a new backend holding the same object version.
+    second = MemoryBackend()
+    assert second.put("p/m.safetensors", data) == etag
+    fs2 = FileSystem(second, config(), disk_cache(tmp_path / "cache"))
+    fs2.start(nursery)
+    fh2 = await open_file(fs2, "m.safetensors")
+    assert await read_all(fs2, fh2, len(data)) == data
+    await settle()
+    assert second.statistics().get("get", 0) == 0
+    assert fs2.statistics()["disk_hits"] == 11
+
+
+def all_exist(paths: list[str]) -> bool:
+    return all(os.path.exists(p) for p in paths)
+
+
+def damage_files(paths: list[str], damage: str) -> None:
+    for path in paths:
+        if damage == "flip":
+            raw = bytearray(Path(path).read_bytes())
+            raw[len(raw) // 2] ^= 0xFF
+            Path(path).write_bytes(bytes(raw))
+        elif damage == "truncate":
+            os.truncate(path, os.path.getsize(path) // 3)
+        else:
+            os.unlink(path)
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete-half"])
+async def test_corrupt_disk_blocks_are_fetched_again(
+    nursery: trio.Nursery, tmp_path: Path, damage: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    data = os.urandom(8 * MiB)
+    backend = MemoryBackend()
+    etag = backend.put("p/f.bin", data)
+    cache = disk_cache(tmp_path / "c")
+    fs = FileSystem(backend, config(), cache)
+    fs.start(nursery)
+    assert await read_all(fs, await open_file(fs, "f.bin"), len(data)) == data
+    await settle()
+    paths = [cache.path_for(BlockKey("p/f.bin", etag, i)) for i in range(8)]
+    assert all_exist(paths)
+    victims = paths[::2]
+    damage_files(victims, damage)
+    before = backend.statistics()["get"]
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    fs2 = FileSystem(backend, config(), disk_cache(tmp_path / "c"))
+    fs2.start(nursery)
+    assert await read_all(fs2, await open_file(fs2, "f.bin"), len(data)) == data
+    await settle()
+    assert backend.statistics()["get"] - before == len(victims)
+    corrupt = sum("corrupt block" in r.getMessage() for r in caplog.records)
+    assert corrupt == (0 if damage == "delete-half" else len(victims))
+    assert all_exist(paths)  # re-fetched blocks were cached again
+
+
+def test_disk_cache_evicts_least_recently_used_under_the_cap(tmp_path: Path) -> None:
+    cache = disk_cache(tmp_path / "c", size_limit_bytes=5 * MiB + 4096)
+    keys = [BlockKey("k", "e", i) for i in range(8)]
+    for key in keys[:4]:
+        cache.write(key, os.urandom(MiB))
+    assert cache.read(keys[0], MiB) is not None  # keys[0] is now the most recent
+    for key in keys[4:]:
+        cache.write(key, os.urandom(MiB))
+    present = [k.block for k in keys if os.path.exists(cache.path_for(k))]
+    assert len(present) == 5
+    assert 0 in present
+    assert present == [0, 4, 5, 6, 7]
+    total = sum(os.path.getsize(cache.path_for(BlockKey("k", "e", b))) for b in present)
+    assert total <= 5 * MiB + 4096
+
+
+def test_two_processes_may_share_one_cache_directory(tmp_path: Path) -> None:
+    """Two DiskCache instances (as two mounts would hold) write and read the same blocks
+    from many threads at once: every read is a whole, correct block or a miss."""
+    a, b = disk_cache(tmp_path / "c"), disk_cache(tmp_path / "c")
+    blobs = {BlockKey("k", "e", i): os.urandom(256 * 1024) for i in range(32)}
+    errors: list[str] = []
+
+    def worker(cache: DiskCache, seed: int) -> None:
+        order = list(blobs)[seed:] + list(blobs)[:seed]
+        for _ in range(3):
+            for key in order:
+                cache.write(key, blobs[key])
+                got = cache.read(key, len(blobs[key]))
+                if got is not None and got != blobs[key]:
+                    errors.append(f"wrong bytes for {key}")
+
+    threads = [threading.Thread(target=worker, args=(c, i)) for i, c in enumerate([a, b] * 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert a.corrupt == b.corrupt == 0
+    for key, blob in blobs.items():
+        assert a.read(key, len(blob)) == blob
+        assert b.read(key, len(blob)) == blob
+
+
+def test_unwritable_cache_turns_the_tier_off_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = disk_cache(tmp_path / "c")
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    os.chmod(cache.root, 0o500)
+    try:
+        if os.geteuid() == 0:
+            pytest.skip("root writes to read-only directories anyway")
+        cache.write(BlockKey("k", "e", 0), b"x" * 100)
+        cache.write(BlockKey("k", "e", 1), b"x" * 100)
+    finally:
+        os.chmod(cache.root, 0o700)
+    assert not cache.enabled
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
