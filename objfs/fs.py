@@ -164,6 +164,7 @@ class FileSystem:
         self._queued_job_of: dict[BlockKey, _Job] = {}
         self.cache.on_space = self._work_available
         self._disk_write_bytes = 0  # queued for the disk tier, bounded below
+        self._disk_written = trio.Event()  # set whenever a queued disk write finishes
         self.uid = os.getuid() if config.uid is None else config.uid
         self.gid = os.getgid() if config.gid is None else config.gid
         self.mount_time_ns = time.time_ns()
@@ -644,6 +645,12 @@ class FileSystem:
             self._write_to_disk(handle, list(zip(run, blocks, strict=True)))
         return stored
 
+    async def flush_disk_writes(self) -> None:
+        """Wait until every block queued for the disk cache is written."""
+        while self._disk_write_bytes:
+            self._disk_written = trio.Event()
+            await self._disk_written.wait()
+
     def _disk_read_many(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
         assert self.disk is not None
         found: dict[int, bytes] = {}
@@ -676,6 +683,7 @@ class FileSystem:
                 log.exception("disk cache write failed")
             finally:
                 self._disk_write_bytes -= nbytes
+                self._disk_written.set()
 
         self._nursery.start_soon(write)
 

@@ -16,6 +16,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 import pyfuse3
+import trio
 
 from objfs.errors import ObjectNotFoundError, ObjfsError
 from objfs.fs import Attributes, FileSystem
@@ -61,6 +62,12 @@ class ObjfsOperations(pyfuse3.Operations):
         super().__init__()
         self.fs = fs
         self.timeout_s = fs.config.kernel_timeout_s()
+        # Set once the kernel's INIT request is answered: the kernel applies its own limits
+        # (e.g. read-ahead) when it reads that answer, so tuning must come after.
+        self.initialized = trio.Event()
+
+    def init(self) -> None:
+        self.initialized.set()
 
     def _entry(self, attrs: Attributes) -> pyfuse3.EntryAttributes:
         entry = pyfuse3.EntryAttributes()

@@ -54,6 +54,8 @@ log = logging.getLogger("objfs")
 # How long `objfs mount` (daemon mode) waits for the child to report; the child's own store
 # check gives up well before this (connect timeout x attempts).
 _READY_TIMEOUT_S = 120.0
+# On unmount, how long to wait for blocks still queued for the disk cache.
+_DISK_FLUSH_TIMEOUT_S = 30.0
 # pyfuse3 worker tasks: enough that slow GETs do not starve cheap metadata requests.
 _MAX_FUSE_TASKS = 64
 
@@ -193,11 +195,18 @@ def fuse_options(config: MountConfig) -> set[str]:
 
 
 async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
+    """SIGINT/SIGTERM: stop taking requests (the mount is removed on the way out); a second
+    signal cancels whatever is still running."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        first = True
         async for signum in signals:
             log.info("received %s: unmounting", signal.Signals(signum).name)
-            cancel_scope.cancel()
-            return
+            if first:
+                pyfuse3.terminate()
+                first = False
+            else:
+                cancel_scope.cancel()
+                return
 
 
 def open_disk_cache(config: MountConfig, backend: Backend) -> DiskCache | None:
@@ -317,14 +326,21 @@ async def serve_async(
             hint = ": --allow-other needs `user_allow_other` in /etc/fuse.conf"
         raise MountFailedError(f"mounting {config.mountpoint} failed ({exc}){hint}") from None
     log.info("mounted %s on %s", backend.description, config.mountpoint)
-    try:
+    async def tune_after_init() -> None:
+        await ops.initialized.wait()
         tune_kernel(config)
+
+    try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
+            nursery.start_soon(tune_after_init)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)
             nursery.start_soon(_announce, on_ready)
             await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
             log.info("%s was unmounted", config.mountpoint)
+            # Blocks fetched but not yet on disk are what the next mount would miss.
+            with trio.move_on_after(_DISK_FLUSH_TIMEOUT_S):
+                await fs.flush_disk_writes()
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

@@ -133,6 +133,22 @@ def run_mount(
             proc.wait(timeout=30)
 
 
+def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) -> list[str]:
+    """``objfs mount`` in the foreground, logging to ``log_path`` (later options win)."""
+    return [
+        sys.executable,
+        "-m",
+        "objfs",
+        "mount",
+        source,
+        str(mountpoint),
+        "--foreground",
+        "--log-file",
+        str(log_path),
+        *options,
+    ]
+
+
 @pytest.fixture
 def mount_s3(s3_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
     """``mount_s3(source, *options)`` mounts with objfs in the foreground in a child."""
@@ -145,20 +161,7 @@ def mount_s3(s3_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
         mountpoint.mkdir()
         log_path = tmp_path / f"objfs{n}.log"
         out_path = tmp_path / f"objfs{n}.out"
-        cmd = [
-            sys.executable,
-            "-m",
-            "objfs",
-            "mount",
-            source,
-            str(mountpoint),
-            "--foreground",
-            "--endpoint-url",
-            s3_server.url,
-            "--log-file",
-            str(log_path),
-            *options,
-        ]
+        cmd = mount_command(source, mountpoint, log_path, "--endpoint-url", s3_server.url, *options)
         mounted = stack.enter_context(run_mount(cmd, mountpoint, out_path, env))
         return Mount(mounted.path, mounted.proc, log_path)
 

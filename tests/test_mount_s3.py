@@ -227,11 +227,11 @@ def test_reads_past_4gib_through_a_real_mount(tmp_path: Path) -> None:
     helper = Path(__file__).parent / "helpers" / "serve_memory.py"
     size = 5 * 2**30 + 12345
     log_path = tmp_path / "objfs.log"
-    cmd = [sys.executable, str(helper), str(mountpoint), str(size)]
+    cmd = [sys.executable, str(helper), str(mountpoint), f"huge.bin={size}"]
     with run_mount(cmd, mountpoint, log_path) as m:
         path = m.path / "huge.bin"
         assert os.stat(path).st_size == size
-        expected = SyntheticData(size)
+        expected = SyntheticData(size, seed=b"huge.bin")
         fd = os.open(path, os.O_RDONLY)
         try:
             for offset in (0, 2**32 - 1000, 2**32, 2**32 + 4_000_003, size - 5000):
