@@ -326,6 +326,7 @@ async def serve_async(
             hint = ": --allow-other needs `user_allow_other` in /etc/fuse.conf"
         raise MountFailedError(f"mounting {config.mountpoint} failed ({exc}){hint}") from None
     log.info("mounted %s on %s", backend.description, config.mountpoint)
+
     async def tune_after_init() -> None:
         await ops.initialized.wait()
         tune_kernel(config)
