@@ -1,6 +1,6 @@
 """Azurite, Microsoft's Azure Storage emulator, as a child process on 127.0.0.1 (blob service only).
 
-Used by the test fixtures and by ``tests/bench/azure_sdk_vs_raw.py``. ``make setup`` installs
+Used by the test fixtures and by ``tests/benchmarks/azure_sdk_vs_raw.py``. ``make setup`` installs
 Azurite with npm into ``.npm-tools/`` (git-ignored); ``OBJFS_AZURITE`` may name another
 ``azurite-blob`` executable.
 

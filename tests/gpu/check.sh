@@ -58,7 +58,7 @@ timeout 900 "$py" -m pytest -c /dev/null --rootdir "$PWD" --noconftest -W error 
 
 echo "== benchmark (${SIZE_MB} MiB, warm page cache, $DEVICE)"
 if [[ ! -f "$BENCH_FILE" ]]; then
-    timeout 600 "$py" tests/bench/bench_torch_io.py --make "$SIZE_MB" "$BENCH_FILE"
+    timeout 600 "$py" tests/benchmarks/bench_torch_io.py --make "$SIZE_MB" "$BENCH_FILE"
 fi
-timeout 900 "$py" tests/bench/bench_torch_io.py "$BENCH_FILE" --device "$DEVICE" \
+timeout 900 "$py" tests/benchmarks/bench_torch_io.py "$BENCH_FILE" --device "$DEVICE" \
     --repeat "$REPEAT" --modes warm

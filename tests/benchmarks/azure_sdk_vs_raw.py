@@ -2,8 +2,8 @@
 """Throughput of objfs's Azure data path against plain ranged GETs, both to a local Azurite.
 
 Usage (from the repository root; ``make setup`` installs Azurite):
-    python -m tests.bench.azure_sdk_vs_raw                    # 256 MiB blob, 8 MiB ranges
-    python -m tests.bench.azure_sdk_vs_raw --size-mib 512 --rounds 9 --threads 1 8
+    python -m tests.benchmarks.azure_sdk_vs_raw                    # 256 MiB blob, 8 MiB ranges
+    python -m tests.benchmarks.azure_sdk_vs_raw --size-mib 512 --rounds 9 --threads 1 8
 
 Every method reads the whole blob once per run in ``--range-mib`` ranges, ``--threads`` at a
 time; a round runs each method once, in an order that rotates from round to round so that

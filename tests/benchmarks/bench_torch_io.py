@@ -2,9 +2,9 @@
 """Benchmark objfs.torch_io.load_safetensors against safetensors.torch.load_file.
 
 Usage:
-    python tests/bench/bench_torch_io.py --make 1024 /tmp/bench.safetensors
-    python tests/bench/bench_torch_io.py /tmp/bench.safetensors --device cpu --repeat 5
-    python tests/bench/bench_torch_io.py /mnt/model --device cuda:0 --repeat 3 --drop-caches
+    python tests/benchmarks/bench_torch_io.py --make 1024 /tmp/bench.safetensors
+    python tests/benchmarks/bench_torch_io.py /tmp/bench.safetensors --device cpu --repeat 5
+    python tests/benchmarks/bench_torch_io.py /mnt/model --device cuda:0 --repeat 3 --drop-caches
 
 Prints medians as a markdown table.  Rows:
 
