@@ -190,6 +190,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     m.add_argument("--daemon-ready-fd", type=int, help=argparse.SUPPRESS)
 
+    w = sub.add_parser(
+        "warm",
+        help="read files on a mount ahead of time",
+        description="Read files (or whole directories) on an objfs mount so they sit in the "
+        "caches before a model server starts; shows bytes, rate and ETA.",
+    )
+    w.add_argument("paths", nargs="+", metavar="PATH", help="files or directories on a mount")
+    w.add_argument(
+        "-j", "--jobs", type=int, default=8, metavar="N", help="files read at once (default: 8)"
+    )
+
     u = sub.add_parser(
         "unmount",
         help="unmount a mountpoint",
@@ -334,6 +345,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "mount":
             return _run_mount(args, argv)
+        if args.command == "warm":
+            from objfs.warm import warm
+
+            if not 1 <= args.jobs <= 256:
+                raise UsageError(f"--jobs: {args.jobs} is out of range: give 1 to 256")
+            warm(args.paths, jobs=args.jobs)
+            return 0
         from objfs import mount
 
         mount.unmount(args.mountpoint, force=args.force)

@@ -140,6 +140,12 @@ class UnmountFailedError(ObjfsError):
     exit_code = 16
 
 
+class WarmIncompleteError(ObjfsError):
+    """``objfs warm`` could not read some of the files."""
+
+    exit_code = 17
+
+
 class ReadOnlyError(ObjfsError):
     """Any attempt to modify the file system."""
 
@@ -185,4 +191,5 @@ EXIT_CODES: dict[int, str] = {
     14: "the mount failed or the daemon stopped before it served",
     15: "`unmount`: the path is not mounted",
     16: "`unmount`: the mount is busy or could not be detached",
+    17: "`warm`: some files could not be read (each is listed)",
 }
