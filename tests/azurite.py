@@ -20,7 +20,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from objfs.demo import free_port
+from objfs.demo import LocalServer, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 AZURITE_BIN = REPO / ".npm-tools" / "node_modules" / ".bin" / "azurite-blob"
@@ -47,16 +47,14 @@ def azurite_executable() -> str:
 
 
 @dataclass
-class Azurite:
+class Azurite(LocalServer):
     """A running Azurite blob service; ``account_url`` is the dev account's endpoint."""
 
-    port: int
-    proc: subprocess.Popen[bytes]
-    workdir: str
+    workdir: str = ""
 
     @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
 
     @property
     def account_url(self) -> str:
@@ -70,13 +68,7 @@ class Azurite:
 
     def stop(self) -> None:
         """Stop the server (by its PID) and remove its working folder."""
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        super().stop()
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -124,7 +116,7 @@ def start_azurite(log_path: str | None = None) -> Azurite:
         )
         if log_path:
             out.close()  # type: ignore[union-attr]
-        server = Azurite(port, proc, workdir)
+        server = Azurite(f"http://127.0.0.1:{port}", proc, workdir)
         deadline = time.monotonic() + _START_TIMEOUT_S
         while proc.poll() is None and time.monotonic() < deadline:
             if _answers(server.url):
