@@ -26,6 +26,7 @@ import pytest
 
 from objfs.demo import LocalServer, s3_client, start_moto_server
 from objfs.mount import mount_entry
+from tests.helpers.proxy import Proxy
 
 # Credentials for the local test servers only. Never read the developer's AWS config.
 TEST_ENV = {
@@ -167,6 +168,26 @@ def mount_s3(s3_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
 
     with stack:
         yield mount
+
+
+def run_objfs(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """Run the ``objfs`` command as a user would (no stdin); 120 s is a hang guard only."""
+    return subprocess.run(
+        [sys.executable, "-m", "objfs", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        stdin=subprocess.DEVNULL,
+        check=False,
+        **kwargs,
+    )
+
+
+@pytest.fixture
+def proxy(s3_server: LocalServer) -> Iterator[Proxy]:
+    """A counting TCP proxy in front of the S3 server (see tests/helpers/proxy.py)."""
+    with Proxy(int(s3_server.url.rsplit(":", 1)[1])) as p:
+        yield p
 
 
 def put_many(s3: Any, bucket: str, items: dict[str, bytes]) -> None:

@@ -36,12 +36,6 @@ def ranged_bytes(proxy: Proxy) -> int:
 
 
 @pytest.fixture
-def proxy(s3_server: Any) -> Any:
-    with Proxy(int(s3_server.url.rsplit(":", 1)[1])) as p:
-        yield p
-
-
-@pytest.fixture
 def model_bucket(s3: Any, bucket: str) -> dict[str, bytes]:
     files = {
         "model-00001-of-00002.safetensors": os.urandom(6 * MiB + 11),

@@ -18,20 +18,13 @@ import pytest
 from objfs.demo import LocalServer, free_port, s3_client, start_moto_server
 from objfs.errors import EXIT_CODES
 from objfs.mount import mount_entry
+from tests.conftest import run_objfs
 
 SECRET = "s3cr3t-Value-That-Must-Not-Leak"
 
 
 def objfs(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "objfs", *args],
-        capture_output=True,
-        text=True,
-        timeout=90,  # a hang guard, not a speed assertion
-        stdin=subprocess.DEVNULL,
-        env=env,
-        check=False,
-    )
+    return run_objfs(*args, env=env)
 
 
 def assert_one_line_error(res: subprocess.CompletedProcess[str], code: int, *words: str) -> None:

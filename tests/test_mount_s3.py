@@ -17,7 +17,7 @@ import pytest
 
 from objfs.backends.memory import SyntheticData
 from objfs.mount import mount_entry
-from tests.conftest import Mount, put_many, run_mount, sha256
+from tests.conftest import Mount, put_many, run_mount, run_objfs, sha256
 
 # Keys under the mounted prefix "data" and what each must become. Every rule of the README's
 # Semantics section has at least one key here.
@@ -240,18 +240,6 @@ def test_reads_past_4gib_through_a_real_mount(tmp_path: Path) -> None:
             os.close(fd)
 
 
-def _objfs(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "objfs", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        check=False,
-        **kwargs,
-    )
-
-
 def _daemons_for(source: str) -> list[psutil.Process]:
     """The objfs daemons serving ``source`` (each test mounts its own bucket)."""
     found = []
@@ -267,7 +255,7 @@ def test_daemon_mode_returns_once_serving(s3_server: Any, tree_bucket: str, tmp_
     mountpoint.mkdir()
     log_path = tmp_path / "daemon.log"
     try:
-        res = _objfs(  # relative paths, as a user types them
+        res = run_objfs(  # relative paths, as a user types them
             "mount",
             f"s3://{tree_bucket}/data",
             "mnt",
@@ -289,7 +277,7 @@ def test_daemon_mode_returns_once_serving(s3_server: Any, tree_bucket: str, tmp_
         options = Path("/proc/self/mountinfo").read_text()
         line = next(ln for ln in options.splitlines() if f" {mountpoint} " in ln)
         assert " ro," in line or " ro " in line
-        res = _objfs("unmount", str(mountpoint))
+        res = run_objfs("unmount", str(mountpoint))
         assert res.returncode == 0, res.stderr
         assert mount_entry(str(mountpoint)) is None
         _, alive = psutil.wait_procs(daemons, timeout=15)
@@ -344,7 +332,7 @@ def test_unmount_force_detaches_a_busy_mount(
     mountpoint = tmp_path / "mnt"
     mountpoint.mkdir()
     try:
-        res = _objfs(
+        res = run_objfs(
             "mount", f"s3://{tree_bucket}/data", str(mountpoint), "--endpoint-url", s3_server.url
         )
         assert res.returncode == 0, res.stderr
@@ -352,11 +340,11 @@ def test_unmount_force_detaches_a_busy_mount(
         assert len(daemons) == 1
         fd = os.open(mountpoint / "readme.txt", os.O_RDONLY)
         try:
-            res = _objfs("unmount", str(mountpoint))
+            res = run_objfs("unmount", str(mountpoint))
             assert res.returncode == 16
             assert "busy" in res.stderr
             assert len(res.stderr.splitlines()) == 1
-            res = _objfs("unmount", "--force", str(mountpoint))
+            res = run_objfs("unmount", "--force", str(mountpoint))
             assert res.returncode == 0, res.stderr
             assert mount_entry(str(mountpoint)) is None
         finally:

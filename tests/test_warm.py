@@ -3,34 +3,13 @@
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-from tests.conftest import Mount, put_many, sha256
+from tests.conftest import Mount, put_many, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
 MiB = 1024 * 1024
-
-
-def objfs(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "objfs", *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        stdin=subprocess.DEVNULL,
-        check=False,
-    )
-
-
-@pytest.fixture
-def proxy(s3_server: Any) -> Any:
-    with Proxy(int(s3_server.url.rsplit(":", 1)[1])) as p:
-        yield p
 
 
 def test_warm_fills_the_caches(mount_s3: Any, proxy: Proxy, s3: Any, bucket: str) -> None:
@@ -42,7 +21,7 @@ def test_warm_fills_the_caches(mount_s3: Any, proxy: Proxy, s3: Any, bucket: str
     }
     put_many(s3, bucket, files)
     m: Mount = mount_s3(f"s3://{bucket}/m", "--endpoint-url", proxy.url)
-    res = objfs("warm", str(m.path), "--jobs", "3")
+    res = run_objfs("warm", str(m.path), "--jobs", "3")
     assert res.returncode == 0, res.stderr
     lines = res.stderr.splitlines()
     assert lines[-1].startswith("warmed 4 files, 7.1 MiB in ")
@@ -58,22 +37,22 @@ def test_warm_fills_the_caches(mount_s3: Any, proxy: Proxy, s3: Any, bucket: str
 def test_warm_single_file_and_errors(mount_s3: Any, s3: Any, bucket: str, tmp_path: Path) -> None:
     s3.put_object(Bucket=bucket, Key="m/x.bin", Body=b"x" * 1000)
     m: Mount = mount_s3(f"s3://{bucket}/m")
-    res = objfs("warm", str(m.path / "x.bin"))
+    res = run_objfs("warm", str(m.path / "x.bin"))
     assert res.returncode == 0, res.stderr
     assert "warmed 1 files, 1000 B" in res.stderr
 
-    res = objfs("warm", str(tmp_path))
+    res = run_objfs("warm", str(tmp_path))
     assert res.returncode == 2
     assert (
         res.stderr.strip()
         == f"objfs: error: {tmp_path} is not on an objfs mount: give a path under a mountpoint"
     )
 
-    res = objfs("warm", str(m.path / "missing.bin"))
+    res = run_objfs("warm", str(m.path / "missing.bin"))
     assert res.returncode == 2
     assert "No such file or directory" in res.stderr
     assert len(res.stderr.splitlines()) == 1
 
-    res = objfs("warm", str(m.path), "--jobs", "0")
+    res = run_objfs("warm", str(m.path), "--jobs", "0")
     assert res.returncode == 2
     assert "--jobs" in res.stderr
