@@ -18,13 +18,15 @@ AZURITE_VERSION := 3.35.0
 NPM_TOOLS := .npm-tools
 AZURITE_STAMP := $(NPM_TOOLS)/.azurite-$(AZURITE_VERSION)
 
-.PHONY: help setup sysdeps nodejs azurite lint format test demo clean
+.PHONY: help setup sysdeps nodejs azurite lint format test demo clean bench bench-deps
 
 help:
 	@echo "make demo   - local S3 server + small model + objfs mount + transformers load"
 	@echo "make test   - lint, then the whole test suite (real FUSE mounts, real S3 server)"
 	@echo "make lint   - ruff and mypy (strict on objfs/)"
 	@echo "make format - ruff format and import sorting"
+	@echo "make bench  - objfs against the ceiling, s3fs, rclone, Run:ai and local disk (~15 min;"
+	@echo "              BENCH_ARGS='--quick' for a 2-minute smoke run)"
 
 # Installs only what is missing, so a re-run costs a few dpkg queries.
 sysdeps:
@@ -76,6 +78,36 @@ test: lint
 
 demo: setup
 	$(PY) -m objfs.demo
+
+# `make bench` (tests/benchmarks/bench_models.py) also needs s3fs-fuse and rclone (apt), s3rver
+# (npm, pinned: it streams ranged GETs from disk, unlike moto) and Run:ai Model Streamer, which
+# goes into a --target folder put on PYTHONPATH for its worker only, so the venv's torch and
+# packages stay as they are (its only dependencies are torch, numpy and boto3, already there,
+# and humanize).
+BENCH_APT_PACKAGES := s3fs rclone
+S3RVER_VERSION := 3.7.1
+S3RVER_STAMP := $(NPM_TOOLS)/s3rver/.s3rver-$(S3RVER_VERSION)
+RUNAI_VERSION := 0.17.1
+RUNAI_SITE := .bench/runai-site
+RUNAI_STAMP := $(RUNAI_SITE)/.runai-$(RUNAI_VERSION)
+BENCH_ARGS ?=
+
+$(S3RVER_STAMP):
+	@$(MAKE) --no-print-directory nodejs
+	npm install --prefix $(NPM_TOOLS)/s3rver --no-audit --no-fund --loglevel=error s3rver@$(S3RVER_VERSION)
+	@touch $(S3RVER_STAMP)
+
+$(RUNAI_STAMP): | $(STAMP)
+	rm -rf $(RUNAI_SITE)
+	$(PY) -m pip install -q --target $(RUNAI_SITE) --no-deps \
+	  runai-model-streamer==$(RUNAI_VERSION) runai-model-streamer-s3==$(RUNAI_VERSION) humanize
+	@touch $(RUNAI_STAMP)
+
+bench-deps: setup $(S3RVER_STAMP) $(RUNAI_STAMP)
+	@$(MAKE) --no-print-directory sysdeps APT_PACKAGES="$(BENCH_APT_PACKAGES)"
+
+bench: bench-deps
+	$(PY) -m tests.benchmarks.bench_models $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info $(NPM_TOOLS)
