@@ -305,6 +305,10 @@ class MountConfig:
     max_background: int = 64
     log_level: str = "info"
     log_file: str | None = None
+    # "text" for people, "json" (one object per line) for log collectors.
+    log_format: str = "text"
+    # HOST:PORT of the Prometheus endpoint; None: no endpoint (nothing listens by default).
+    metrics_addr: str | None = None
     s3: S3Options = field(default_factory=S3Options)
     azure: AzureOptions = field(default_factory=AzureOptions)
 
