@@ -48,6 +48,8 @@ from objfs.errors import (
 )
 from objfs.fs import FileSystem
 from objfs.fuse_ops import ObjfsOperations
+from objfs.jsonlog import JsonFormatter
+from objfs.metrics import InstrumentedBackend, Telemetry
 
 log = logging.getLogger("objfs")
 
@@ -63,12 +65,16 @@ _MAX_FUSE_TASKS = 64
 # -- logging ---------------------------------------------------------------------------------
 
 
-def setup_logging(level: str, log_file: str | None, *, daemon: bool) -> None:
+def setup_logging(
+    level: str, log_file: str | None, *, daemon: bool, log_format: str = "text"
+) -> None:
     """Log to stderr in the foreground, to --log-file if given, else to syslog as a daemon."""
     root = logging.getLogger()
     root.handlers.clear()
     root.setLevel(level.upper())
     fmt = logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if log_format == "json":
+        fmt = JsonFormatter()
     handlers: list[logging.Handler] = []
     if log_file:
         handlers.append(logging.FileHandler(log_file))
@@ -314,13 +320,16 @@ async def serve_async(
     config: MountConfig, backend: Backend, on_ready: Callable[[], None] = lambda: None
 ) -> None:
     """Check the bucket, mount, serve until a signal or an unmount, then unmount."""
+    backend = InstrumentedBackend(backend)  # counts requests for metrics and `objfs status`
     await backend.check(config.source.prefix)
     disk = open_disk_cache(config, backend)
     fs = FileSystem(backend, config, disk)
     ops = ObjfsOperations(fs)
+    telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     try:
         pyfuse3.init(ops, config.mountpoint, fuse_options(config))
     except RuntimeError as exc:
+        telemetry.close()
         hint = ""
         if config.allow_other and os.geteuid() != 0:
             hint = ": --allow-other needs `user_allow_other` in /etc/fuse.conf"
@@ -336,7 +345,8 @@ async def serve_async(
             fs.start(nursery)
             nursery.start_soon(tune_after_init)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)
-            nursery.start_soon(_announce, on_ready)
+            # Writes the status file, then reports READY; refreshes the file every second.
+            nursery.start_soon(telemetry.run, on_ready)
             await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
             log.info("%s was unmounted", config.mountpoint)
             # Blocks fetched but not yet on disk are what the next mount would miss.
@@ -345,15 +355,10 @@ async def serve_async(
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):
+            telemetry.close()
             pyfuse3.close(unmount=True)
             await backend.aclose()
     log.info("objfs stopped: %s", fs.statistics())
-
-
-async def _announce(on_ready: Callable[[], None]) -> None:
-    # Runs once the nursery is scheduling, i.e. pyfuse3.main is reading requests.
-    await trio.lowlevel.checkpoint()
-    on_ready()
 
 
 def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd: int | None) -> int:
