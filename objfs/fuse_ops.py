@@ -65,6 +65,9 @@ class ObjfsOperations(pyfuse3.Operations):
         # Set once the kernel's INIT request is answered: the kernel applies its own limits
         # (e.g. read-ahead) when it reads that answer, so tuning must come after.
         self.initialized = trio.Event()
+        # Bytes and requests answered by read (metrics and `objfs status` read them).
+        self.bytes_served = 0
+        self.reads = 0
 
     def init(self) -> None:
         self.initialized.set()
@@ -163,7 +166,10 @@ class ObjfsOperations(pyfuse3.Operations):
     @_errno_boundary
     async def read(self, fh: pyfuse3.FileHandleT, off: int, size: int) -> bytes:
         # pyfuse3 takes any buffer; a memoryview of a cached block saves a copy per request.
-        return cast(bytes, await self.fs.read(fh, off, size))
+        data = await self.fs.read(fh, off, size)
+        self.bytes_served += len(data)
+        self.reads += 1
+        return cast(bytes, data)
 
     @_errno_boundary
     async def release(self, fh: pyfuse3.FileHandleT) -> None:
