@@ -146,6 +146,18 @@ class WarmIncompleteError(ObjfsError):
     exit_code = 17
 
 
+class DaemonNotAnsweringError(ObjfsError):
+    """``objfs status``: the mount exists but no live objfs daemon reports on it."""
+
+    exit_code = 18
+
+
+class MountLostError(ObjfsError):
+    """``objfs sidecar``: the mount stopped while serving (its daemon died or was unmounted)."""
+
+    exit_code = 19
+
+
 class ReadOnlyError(ObjfsError):
     """Any attempt to modify the file system."""
 
@@ -189,7 +201,9 @@ EXIT_CODES: dict[int, str] = {
     12: "mountpoint is already mounted",
     13: "FUSE is unavailable (/dev/fuse or fusermount3 missing, no permission)",
     14: "the mount failed or the daemon stopped before it served",
-    15: "`unmount`: the path is not mounted",
+    15: "`unmount`, `status`: the path is not mounted",
     16: "`unmount`: the mount is busy or could not be detached",
     17: "`warm`: some files could not be read (each is listed)",
+    18: "`status`: no live objfs daemon reports on the mount (it died or hangs)",
+    19: "`sidecar`: the mount stopped while serving (the daemon died or was unmounted)",
 }
