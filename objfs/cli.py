@@ -117,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="file holding a SAS token (default: $AZURE_STORAGE_SAS_TOKEN); the connection "
         "string and account key take precedence",
     )
+    m.add_argument_group("credentials").add_argument(
+        "--credentials-file",
+        metavar="PATH",
+        help="NAME=VALUE lines (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AZURE_STORAGE_KEY, "
+        "...) loaded into objfs's environment; for fstab and services (chmod 600 it)",
+    )
 
     perf = m.add_argument_group("performance and caching")
     perf.add_argument(
@@ -188,6 +194,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="append logs here (default: stderr in the foreground, syslog as a daemon)",
     )
+    logs.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="json: one object per line (time, level, logger, message) for log collectors",
+    )
+    logs.add_argument(
+        "--metrics-addr",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics on http://HOST:PORT/metrics, e.g. 127.0.0.1:9101 "
+        "(default: off)",
+    )
     m.add_argument("--daemon-ready-fd", type=int, help=argparse.SUPPRESS)
 
     w = sub.add_parser(
@@ -209,6 +227,43 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
     u.add_argument(
         "--force", action="store_true", help="detach lazily even if files are still open"
+    )
+
+    st = sub.add_parser(
+        "status",
+        help="show a mount's live figures",
+        description="Show the source, uptime, throughput, requests and cache use of an objfs "
+        "mount, from the status file its daemon rewrites every second (never touching the "
+        "mount, so it answers while the mount hangs).",
+        epilog=_exit_code_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    st.add_argument("mountpoint", metavar="MOUNTPOINT")
+    st_mode = st.add_mutually_exclusive_group()
+    st_mode.add_argument("--json", action="store_true", help="print the figures as JSON")
+    st_mode.add_argument(
+        "--probe",
+        action="store_true",
+        help="print nothing; exit 0 only if the mount is served by a live daemon (for "
+        "startup and liveness probes)",
+    )
+    st.add_argument(
+        "--max-age",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a daemon silent for longer counts as hung (default: %(default)s)",
+    )
+
+    sub.add_parser(
+        "sidecar",
+        help="container entrypoint: mount from environment variables, supervise, unmount",
+        description="Mount $OBJFS_SOURCE on $OBJFS_MOUNTPOINT (more options in $OBJFS_OPTIONS "
+        "and OBJFS_* variables) and stay in the foreground; write $OBJFS_READY_FILE once the "
+        "mount serves; SIGTERM unmounts and exits 0; exits 19 if the mount dies while "
+        "serving. See the README's Kubernetes section.",
+        epilog=_exit_code_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     return parser
 
@@ -278,6 +333,14 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
             "lowercase letters and digits"
         )
     sas_file = args.sas_token_file  # absolute below: a daemon changes to / before reading it
+    if args.metrics_addr is not None:
+        from objfs.metrics import parse_listen_address
+
+        parse_listen_address(args.metrics_addr)
+    if args.credentials_file is not None:
+        from objfs.credentials import read_credentials_file
+
+        read_credentials_file(args.credentials_file)  # fails here, before a daemon starts
     azure = AzureOptions(
         account_name=args.account_name,
         account_url=args.account_url,
@@ -304,6 +367,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         gid=None if args.gid is None else parse_id(args.gid, option="--gid"),
         log_level=args.log_level,
         log_file=None if args.log_file is None else os.path.abspath(args.log_file),
+        log_format=args.log_format,
+        metrics_addr=args.metrics_addr,
         s3=s3,
     )
 
@@ -318,10 +383,17 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         mount.check_fuse()
         return mount.spawn_daemon(argv, config.mountpoint, config.log_file)
 
+    credentials = args.credentials_file and os.path.abspath(args.credentials_file)
     daemon = args.daemon_ready_fd is not None
     if daemon:
         os.chdir("/")  # paths are absolute now; do not keep the caller's directory busy
-    mount.setup_logging(config.log_level, config.log_file, daemon=daemon)
+    mount.setup_logging(
+        config.log_level, config.log_file, daemon=daemon, log_format=args.log_format
+    )
+    if credentials:
+        from objfs.credentials import load_credentials_file
+
+        load_credentials_file(credentials)
 
     def make_backend() -> Backend:
         if config.source.store == "azure":
@@ -333,6 +405,21 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         return S3Backend(config.source.bucket, config.s3)
 
     return mount.serve(config, make_backend, args.daemon_ready_fd)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    import json
+
+    from objfs.status import format_status, read_status
+
+    if not args.max_age > 0:
+        raise UsageError(f"--max-age: {args.max_age} must be more than 0 seconds")
+    figures = read_status(args.mountpoint, max_age_s=args.max_age)
+    if args.json:
+        print(json.dumps(figures, indent=2))
+    elif not args.probe:
+        print(format_status(figures))
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -352,6 +439,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise UsageError(f"--jobs: {args.jobs} is out of range: give 1 to 256")
             warm(args.paths, jobs=args.jobs)
             return 0
+        if args.command == "status":
+            return _run_status(args)
+        if args.command == "sidecar":
+            from objfs.sidecar import run_sidecar
+
+            return run_sidecar()
         from objfs import mount
 
         mount.unmount(args.mountpoint, force=args.force)
