@@ -1,0 +1,145 @@
+"""``objfs status MOUNTPOINT``: the live figures of a mount, for a person or a probe.
+
+It reads the status file the daemon rewrites every second (see :mod:`objfs.metrics`) and the
+kernel's mount table; it never touches the mount itself, so it answers while the mount hangs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+from objfs.errors import DaemonNotAnsweringError, NotMountedError
+from objfs.metrics import STATUS_INTERVAL_S, find_status_files
+from objfs.mount import mount_entry
+
+#: A status file older than this means the daemon no longer runs its loop.
+DEFAULT_MAX_AGE_S = 10.0
+
+
+def _resolve(path: str) -> str:
+    # Resolve the parent only, as the daemon did before mounting: stat-ing the mount root
+    # would hang on a stuck mount.
+    absolute = os.path.abspath(path)
+    return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process (a root daemon seen by a user)
+    return True
+
+
+def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str, Any]:
+    """The live figures of the mount at ``path``; raises NotMountedError (15) if nothing is
+    mounted there, DaemonNotAnsweringError (18) if no live objfs daemon reports on it."""
+    mountpoint = _resolve(path)
+    entry = mount_entry(mountpoint)
+    if entry is None:
+        raise NotMountedError(f"{path} is not mounted")
+    if entry[0] != "fuse.objfs":
+        raise NotMountedError(f"{path} is not an objfs mount (it is {entry[0]})")
+    newest: dict[str, Any] | None = None
+    for file in find_status_files(mountpoint):
+        try:
+            with open(file, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("mountpoint") != mountpoint:
+            continue
+        if newest is None or data.get("updated_at", 0) > newest.get("updated_at", 0):
+            newest = data
+    if newest is None:
+        raise DaemonNotAnsweringError(
+            f"{path} is an objfs mount but no daemon reports on it: it died (then `objfs "
+            f"unmount --force {path}` and mount again) or runs as another user or in another "
+            "container (set OBJFS_RUNTIME_DIR alike for both)"
+        )
+    pid = int(newest.get("pid", 0))
+    if pid <= 0 or not _pid_alive(pid):
+        raise DaemonNotAnsweringError(
+            f"the objfs daemon of {path} (pid {pid}) is gone: run `objfs unmount --force "
+            f"{path}` and mount again"
+        )
+    age = time.time() - float(newest.get("updated_at", 0))
+    if age > max_age_s:
+        raise DaemonNotAnsweringError(
+            f"the objfs daemon of {path} (pid {pid}) has not reported for {age:.0f} s "
+            f"(it reports every {STATUS_INTERVAL_S:.0f} s): it hangs or is stopped"
+        )
+    return newest
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _duration(seconds: float) -> str:
+    seconds = int(seconds)
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    if days:
+        return f"{days}d{hours:02d}h{minutes:02d}m"
+    if hours:
+        return f"{hours}h{minutes:02d}m{secs:02d}s"
+    return f"{minutes}m{secs:02d}s"
+
+
+def _rate(hits: int, misses: int) -> str:
+    total = hits + misses
+    return "no lookups yet" if total == 0 else f"{100 * hits / total:.1f}% hits"
+
+
+def format_status(s: dict[str, Any]) -> str:
+    """A few aligned lines for a person."""
+    store, memory, disk = s["store"], s["memory"], s.get("disk")
+    rates = s.get("rates") or {}
+    window = float(rates.get("window_s", 0.0))
+    requests = store["requests"]
+    errors = sum(store["errors"].values())
+    error_kinds = ", ".join(f"{k} {n}" for k, n in store["errors"].items() if n)
+    lines = [
+        f"{s['mountpoint']}: {s['source']} ({s['backend']})",
+        f"  daemon        pid {s['pid']}, objfs {s['version']}, up "
+        f"{_duration(time.time() - s['started_at'])}",
+        f"  served        {_size(s['served']['bytes'])} in {s['served']['reads']} reads; "
+        + (
+            f"{_size(rates.get('served_bytes_per_s', 0.0))}/s over the last {window:.0f} s"
+            if window > 0
+            else "rate: measuring"
+        ),
+        f"  fetched       {_size(store['bytes_fetched'])} in {requests['get']} GETs, "
+        f"{requests['list']} listings, {requests['head']} HEADs; "
+        + (
+            f"{_size(rates.get('fetched_bytes_per_s', 0.0))}/s" if window > 0 else "rate: measuring"
+        ),
+        f"  requests      {store['in_flight']} in flight, {errors} failed"
+        + (f" ({error_kinds})" if error_kinds else ""),
+        f"  memory cache  {_size(memory['used_bytes'])} of {_size(memory['limit_bytes'])} used, "
+        f"{_rate(memory['hits'], memory['misses'])} ({memory['hits']} blocks served, "
+        f"{memory['misses']} loaded)",
+    ]
+    if disk is None:
+        lines.append("  disk cache    off (no --cache-dir)")
+    else:
+        state = "" if disk["enabled"] else " (turned off after an error: see the log)"
+        lines.append(
+            f"  disk cache    {_size(disk['bytes'])} of {_size(disk['limit_bytes'])}, "
+            f"{_rate(disk['hits'], disk['misses'])}{state}"
+        )
+    lines.append(f"  open files    {s['open_files']} ({s['inodes']} inodes known)")
+    if s.get("metrics_addr"):
+        lines.append(f"  metrics       http://{s['metrics_addr']}/metrics")
+    return "\n".join(lines)
