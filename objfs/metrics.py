@@ -146,9 +146,8 @@ class InstrumentedBackend(Backend):
             stats.latency[op].observe(elapsed)
             stats.bytes_fetched += nbytes
             if request_log.isEnabledFor(logging.DEBUG):
-                request_log.debug(
-                    "%s %s: %d bytes in %.1f ms", op.upper(), what, nbytes, elapsed * 1e3
-                )
+                size = f"{nbytes} bytes in " if op == "get" else ""
+                request_log.debug("%s %s: %s%.1f ms", op.upper(), what, size, elapsed * 1e3)
         finally:
             stats.in_flight -= 1
 
