@@ -225,8 +225,15 @@ def build_parser() -> argparse.ArgumentParser:
         description="Unmount an objfs mount; its daemon then exits.",
     )
     u.add_argument("mountpoint", metavar="MOUNTPOINT")
-    u.add_argument(
+    u_mode = u.add_mutually_exclusive_group()
+    u_mode.add_argument(
         "--force", action="store_true", help="detach lazily even if files are still open"
+    )
+    u_mode.add_argument(
+        "--if-dead",
+        action="store_true",
+        help="detach the mount only if its daemon is gone (Transport endpoint is not "
+        "connected); a live mount, or none, is left alone and the exit status is 0",
     )
 
     st = sub.add_parser(
@@ -445,6 +452,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from objfs.sidecar import run_sidecar
 
             return run_sidecar()
+        if args.if_dead:
+            from objfs.sidecar import clear_dead_mount
+
+            clear_dead_mount(os.path.abspath(args.mountpoint))
+            return 0
         from objfs import mount
 
         mount.unmount(args.mountpoint, force=args.force)
