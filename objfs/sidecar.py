@@ -5,7 +5,7 @@ It runs ``objfs mount ... --foreground`` as its child and supervises it:
 * before mounting, a dead objfs mount left on the mountpoint by a previous run (the container
   was restarted after a crash: ``Transport endpoint is not connected``) is detached, so a
   restart can mount again;
-* once the mount serves (the kernel lists it and a stat from this process, not the serving
+* once the mount serves (the kernel lists it and a statfs from this process, not the serving
   one, is answered), it writes ``$OBJFS_READY_FILE`` if set; ``objfs status --probe
   MOUNTPOINT`` answers from then on too (the Kubernetes startup and liveness probes);
 * SIGTERM or SIGINT is passed to the child, which unmounts; the entrypoint then exits 0;
@@ -70,7 +70,7 @@ FLAG_OPTIONS = {"OBJFS_ALLOW_OTHER": "--allow-other", "OBJFS_NO_SIGN_REQUEST": "
 
 # How long the mount may take to serve (the child's own store check gives up well before).
 _READY_TIMEOUT_S = 180.0
-# How long a stat of a mount left by a previous run may take before it counts as alive.
+# How long a statfs of a mount left by a previous run may take before it counts as alive.
 _STALE_CHECK_S = 5.0
 
 
@@ -110,13 +110,17 @@ def sidecar_command(env: Mapping[str, str]) -> tuple[str, str, list[str]]:
     return source, os.path.abspath(mountpoint), options
 
 
-def _stat_errno(path: str, timeout_s: float) -> int | None:
-    """stat ``path`` in a thread: 0 if answered, the errno if it failed, None if it hangs."""
+def _probe_errno(path: str, timeout_s: float) -> int | None:
+    """statfs ``path`` in a thread: 0 if answered, the errno if it failed, None if it hangs.
+
+    statfs always reaches the FUSE daemon (the kernel may answer a stat from its attribute
+    cache even after the daemon died).
+    """
     result: list[int] = []
 
     def probe() -> None:
         try:
-            os.stat(path)
+            os.statvfs(path)
             result.append(0)
         except OSError as exc:
             result.append(exc.errno or errno.EIO)
@@ -136,7 +140,7 @@ def clear_dead_mount(mountpoint: str) -> bool:
     entry = mount_entry(mountpoint)
     if entry is None or not entry[0].startswith("fuse"):
         return False
-    if _stat_errno(mountpoint, _STALE_CHECK_S) != errno.ENOTCONN:
+    if _probe_errno(mountpoint, _STALE_CHECK_S) != errno.ENOTCONN:
         return False
     log.warning("detaching a dead %s mount left on %s by a previous run", entry[0], mountpoint)
     unmount(mountpoint, force=True)
@@ -182,10 +186,10 @@ class _Supervisor:
             if self.proc.poll() is not None:
                 return False
             entry = mount_entry(self.mountpoint)
-            # The stat comes from this process, not the serving one: it is answered once the
+            # The statfs comes from this process, not the serving one: it is answered once the
             # child's FUSE loop runs (or fails at once if the child died).
             if entry is not None and entry[0] == "fuse.objfs":
-                return _stat_errno(self.mountpoint, _READY_TIMEOUT_S) == 0
+                return _probe_errno(self.mountpoint, _READY_TIMEOUT_S) == 0
             if time.monotonic() > deadline:
                 log.error("the mount did not serve within %.0f s", _READY_TIMEOUT_S)
                 return False

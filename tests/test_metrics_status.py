@@ -271,6 +271,7 @@ def test_status_answers_while_the_daemon_hangs_and_after_it_died(
             ),
         )
 
+        assert (mnt / "a.txt").read_bytes() == b"hello"  # the kernel now caches attributes
         proc.kill()  # a crash: the mount stays, dead (ENOTCONN)
         proc.wait(timeout=30)
         assert mount_entry(str(mnt)) is not None
