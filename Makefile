@@ -7,7 +7,9 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.objfs-installed
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux
+# systemd: systemd-analyze verifies the unit in systemd/; strace: the test of the unit's
+# system-call filter.
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux systemd strace
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
