@@ -110,34 +110,42 @@ def format_status(s: dict[str, Any]) -> str:
     requests = store["requests"]
     errors = sum(store["errors"].values())
     error_kinds = ", ".join(f"{k} {n}" for k, n in store["errors"].items() if n)
+    served = s["served"]["bytes"]
+    from_caches = max(0.0, min(1.0, 1 - store["bytes_fetched"] / served)) if served else None
     lines = [
         f"{s['mountpoint']}: {s['source']} ({s['backend']})",
         f"  daemon        pid {s['pid']}, objfs {s['version']}, up "
         f"{_duration(time.time() - s['started_at'])}",
-        f"  served        {_size(s['served']['bytes'])} in {s['served']['reads']} reads; "
+        f"  served        {_size(served)} in {s['served']['reads']} reads; "
         + (
             f"{_size(rates.get('served_bytes_per_s', 0.0))}/s over the last {window:.0f} s"
             if window > 0
             else "rate: measuring"
         ),
-        f"  fetched       {_size(store['bytes_fetched'])} in {requests['get']} GETs, "
-        f"{requests['list']} listings, {requests['head']} HEADs; "
+        f"  fetched       {_size(store['bytes_fetched'])}; "
         + (
             f"{_size(rates.get('fetched_bytes_per_s', 0.0))}/s" if window > 0 else "rate: measuring"
         ),
-        f"  requests      {store['in_flight']} in flight, {errors} failed"
+        f"  requests      {requests['get']} GET, {requests['list']} LIST, {requests['head']} HEAD;"
+        f" {store['in_flight']} in flight, {errors} failed"
         + (f" ({error_kinds})" if error_kinds else ""),
-        f"  memory cache  {_size(memory['used_bytes'])} of {_size(memory['limit_bytes'])} used, "
-        f"{_rate(memory['hits'], memory['misses'])} ({memory['hits']} blocks served, "
-        f"{memory['misses']} loaded)",
+        f"  memory cache  {_size(memory['used_bytes'])} of {_size(memory['limit_bytes'])} used "
+        f"(peak {_size(memory['peak_bytes'])}); {memory['hits']} block hits, "
+        f"{memory['misses']} blocks loaded",
     ]
     if disk is None:
         lines.append("  disk cache    off (no --cache-dir)")
     else:
         state = "" if disk["enabled"] else " (turned off after an error: see the log)"
+        looked_up = disk["hits"] + disk["misses"]
         lines.append(
-            f"  disk cache    {_size(disk['bytes'])} of {_size(disk['limit_bytes'])}, "
-            f"{_rate(disk['hits'], disk['misses'])}{state}"
+            f"  disk cache    {_size(disk['bytes'])} of {_size(disk['limit_bytes'])}; "
+            f"{_rate(disk['hits'], disk['misses'])} ({disk['hits']} of {looked_up} blocks)"
+            f"{state}"
+        )
+    if from_caches is not None:
+        lines.append(
+            f"  hit rate      {100 * from_caches:.1f}% of the bytes served came from the caches"
         )
     lines.append(f"  open files    {s['open_files']} ({s['inodes']} inodes known)")
     if s.get("metrics_addr"):
