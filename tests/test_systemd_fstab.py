@@ -12,6 +12,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -432,3 +433,44 @@ def test_fstab_line_mounts_with_mount_T(
         check_served_then_umount(mnt, data, env)
     finally:
         unmount_quietly(mnt)
+
+
+def test_sd_notify_ready_only_once_serving_and_stopping(
+    s3_server: LocalServer, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Type=notify without systemd: a datagram socket stands in for $NOTIFY_SOCKET."""
+    import socket
+
+    data = b"notify me"
+    s3.put_object(Bucket=bucket, Key="n/a.txt", Body=data)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    runtime = tmp_path / "run"
+    address = tmp_path / "notify.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(address))
+        sock.settimeout(90)  # a hang guard
+        cmd = [
+            str(VENV_BIN / "objfs"),
+            "mount",
+            f"s3://{bucket}/n",
+            str(mnt),
+            "--foreground",
+            "--endpoint-url",
+            s3_server.url,
+            "--log-file",
+            str(tmp_path / "objfs.log"),
+        ]
+        env = {**os.environ, "NOTIFY_SOCKET": str(address), "OBJFS_RUNTIME_DIR": str(runtime)}
+        proc = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL)
+        with reaped(proc, mnt):
+            assert sock.recv(256) == b"READY=1"
+            # When READY=1 arrives the mount is there, serving, and `objfs status` sees it.
+            assert mount_entry(str(mnt)) is not None
+            assert sha256_file(mnt / "a.txt") == sha256(data)
+            probe = objfs("status", "--probe", str(mnt), env={"OBJFS_RUNTIME_DIR": str(runtime)})
+            assert probe.returncode == 0, probe.stderr
+            proc.send_signal(signal.SIGTERM)  # what systemd sends to stop it
+            assert sock.recv(256) == b"STOPPING=1"
+            assert proc.wait(timeout=60) == 0
+            assert mount_entry(str(mnt)) is None
