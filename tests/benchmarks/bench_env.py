@@ -611,8 +611,21 @@ def machine_info() -> dict[str, Any]:
         text = (out.stdout or out.stderr).strip()
         return text.splitlines()[0] if text else "?"
 
+    commit = subprocess.run(
+        ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "-C", str(REPO), "status", "--porcelain", "objfs"],
+        capture_output=True,
+        text=True,
+        check=False,
+    ).stdout.strip()
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "objfs_commit": commit + (" with uncommitted changes in objfs/" if dirty else ""),
         "cores": os.cpu_count(),
         "cpu": cpu,
         "ram_gib": round(mem_kib / (1 << 20), 1),
