@@ -849,9 +849,9 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
     model = meta["model"]
     add(
         f"Machine: {m['cores']} cores ({m['cpu']}), {m['ram_gib']} GiB RAM, Linux {m['kernel']}, "
-        f"{m['date']}. Model: {model['name']}, {model['bytes'] / 1e9:.2f} GB in "
-        f"{len(env.SHARDS)} shards; page cache dropped with {meta['page_cache']}. Seconds: "
-        "median (min-max) of the runs; ratios from medians."
+        f"{m['date']}, objfs {m['objfs_commit']}. Model: {model['name']}, "
+        f"{model['bytes'] / 1e9:.2f} GB in {len(env.SHARDS)} shards; page cache dropped with "
+        f"{meta['page_cache']}. Seconds: median (min-max) of the runs; ratios from medians."
     )
     add("")
     ceil, peer, sceil = s["s3"]["ceiling"], s["s3"]["best_peer"], s["shaped"]["ceiling"]
