@@ -512,7 +512,7 @@ class FileSystem:
                     self._jobs.append(job)
                     for key in claim[0] if claim else ():
                         self._queued_job_of[key] = job
-                    self._work.set()
+                    self._wake_workers()
             index = part_end
 
     def _expedite(self, key: BlockKey) -> None:
@@ -522,9 +522,14 @@ class FileSystem:
             self._jobs.remove(job)
             self._jobs.appendleft(job)
 
+    def _wake_workers(self) -> None:
+        """Wake every idle read-ahead worker (they all wait on the same event)."""
+        self._work.set()
+        self._work = trio.Event()
+
     def _work_available(self) -> None:
         self._memory_generation += 1
-        self._work.set()
+        self._wake_workers()
 
     async def _next_job(self) -> _Job:
         """The oldest runnable job: queued first, then those that waited for memory."""
@@ -536,7 +541,6 @@ class FileSystem:
                 self._jobs.extend(self._starved)
                 self._starved.clear()
                 continue
-            self._work = trio.Event()
             await self._work.wait()
 
     async def _prefetch_worker(self) -> None:
