@@ -172,6 +172,18 @@ async def test_safetensors_are_fetched_whole_on_open(nursery: trio.Nursery) -> N
     assert backend.statistics()["get"] == 5  # every read was a hit
 
 
+async def test_read_ahead_uses_all_its_connections(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend(latency_s=0.05)
+    backend.put("p/m.safetensors", os.urandom(64 * MiB))
+    # 10 connections: 8 for read-ahead, 2 kept for readers' own fetches.
+    fs = FileSystem(backend, config(s3=S3Options(max_connections=10), memory_limit_bytes=256 * MiB))
+    fs.start(nursery)
+    await open_file(fs, "m.safetensors")
+    await trio.sleep(0.5)
+    assert backend.statistics()["get"] == 16
+    assert backend.peak_concurrent == 8
+
+
 async def test_concurrent_readers_of_one_block_share_one_get(nursery: trio.Nursery) -> None:
     backend = MemoryBackend(latency_s=0.05)
     data = os.urandom(8 * MiB)

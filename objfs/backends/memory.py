@@ -81,6 +81,8 @@ class MemoryBackend(Backend):
         self._sorted: list[str] = []
         self._version = 0
         self.requests: Counter[str] = Counter()
+        self._active = 0  # requests in flight
+        self.peak_concurrent = 0
 
     # -- test helpers (synchronous) --------------------------------------------------------
 
@@ -104,10 +106,15 @@ class MemoryBackend(Backend):
 
     async def _request(self, op: str, key: str) -> None:
         self.requests[op] += 1
-        if self.latency_s:
-            await trio.sleep(self.latency_s)
-        else:
-            await trio.lowlevel.checkpoint()
+        self._active += 1
+        self.peak_concurrent = max(self.peak_concurrent, self._active)
+        try:
+            if self.latency_s:
+                await trio.sleep(self.latency_s)
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._active -= 1
         if self.fault is not None:
             self.fault(op, key)
 
