@@ -1151,6 +1151,10 @@ def main(argv: list[str] | None = None) -> int:
         ):
             single.append(name)
     meta["one_connection_per_file"] = single
+    # objfs runs from the working tree (an editable install): say so if it changed meanwhile.
+    now = env.machine_info()["objfs_commit"]
+    if now != meta["machine"]["objfs_commit"]:
+        results.note("all", "objfs", f"objfs changed during the run: {now} at the end")
     summary = summarize(results, meta)
     meta["total_s"] = time.monotonic() - started
     table = render(results, summary, meta)
