@@ -27,7 +27,7 @@ Data path: a read is one GET of exactly the range, conditional on the ETag the h
 (``If-Match``; a replaced blob answers 412, which becomes StaleObjectError). The SDK is tuned
 so that it neither splits the range into several GETs nor copies the body: one read of the
 whole body from the socket into one ``bytes`` (no content decoding, no validation hashing).
-``tests/bench/azure_sdk_vs_raw.py`` measures this path against plain ranged GETs.
+``tests/benchmarks/azure_sdk_vs_raw.py`` measures this path against plain ranged GETs.
 
 Secrets never reach a log, an error or a process title: SDK exception texts can hold request
 URLs with SAS signatures, so errors are built from the error code and status only, and the
