@@ -18,34 +18,13 @@ safetensors_torch = pytest.importorskip("safetensors.torch")
 
 from objfs import torch_io  # noqa: E402  (after the importorskip guards)
 from objfs.torch_io import iter_safetensors, load_safetensors, read_header  # noqa: E402
+from tests.test_torch_io import TORCH_DTYPES, bits, random_tensor  # noqa: E402
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (torch.cuda.is_available() is False)"
 )
 
 DEVICE = "cuda:0"
-
-# Every safetensors dtype code that this torch can represent (F6_* have no torch dtype).
-TORCH_DTYPES = {
-    code: getattr(torch, info.torch_name)
-    for code, info in torch_io.DTYPES.items()
-    if info.torch_name and hasattr(torch, info.torch_name)
-}
-
-
-def random_tensor(dtype: Any, shape: tuple[int, ...], seed: int) -> Any:
-    """A CPU tensor of ``dtype``/``shape`` holding deterministic random bits (bool: 0/1)."""
-    gen = torch.Generator().manual_seed(seed)
-    numel = 1
-    for dim in shape:
-        numel *= dim
-    high = 2 if dtype == torch.bool else 256
-    raw = torch.randint(0, high, (numel * dtype.itemsize,), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).reshape(shape)
-
-
-def bits(tensor: Any) -> Any:
-    return tensor.reshape(-1).view(torch.uint8)
 
 
 def assert_same(got: dict[str, Any], want: dict[str, Any], device: str = DEVICE) -> None:
