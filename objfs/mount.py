@@ -110,6 +110,19 @@ def _unescape_mountinfo(field: str) -> str:
     return "".join(out)
 
 
+def _mountinfo_record(target: str) -> tuple[list[str], list[str]] | None:
+    """The last /proc/self/mountinfo line mounted at ``target`` (a real path), split into its
+    fields before and after the `` - `` separator."""
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields = left.split()
+            if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
+                found = (fields, right.split())
+    return found
+
+
 def mount_entry(path: str) -> tuple[str, str] | None:
     """Return (fstype, source) if ``path`` is a mount point, from /proc/self/mountinfo.
 
@@ -119,15 +132,11 @@ def mount_entry(path: str) -> tuple[str, str] | None:
     # Resolve the parent only: stat-ing a mount root blocks while its daemon is stuck.
     absolute = os.path.abspath(path)
     target = os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
-    found: tuple[str, str] | None = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            left, _, right = line.partition(" - ")
-            fields = left.split()
-            if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
-                rest = right.split()
-                found = (rest[0], rest[1] if len(rest) > 1 else "")
-    return found
+    record = _mountinfo_record(target)
+    if record is None:
+        return None
+    rest = record[1]
+    return (rest[0], rest[1] if len(rest) > 1 else "")
 
 
 def check_mountpoint(path: str) -> None:
@@ -246,15 +255,11 @@ def _mount_devnum(mountpoint: str) -> tuple[int, int] | None:
     ``mountpoint`` must already be a real path: resolving it (realpath) would stat the mount
     root, a request only this process can answer, and hang it.
     """
-    target = mountpoint
-    found = None
-    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
-        for line in f:
-            fields = line.split()
-            if len(fields) > 4 and _unescape_mountinfo(fields[4]) == target:
-                major, minor = fields[2].split(":")
-                found = (int(major), int(minor))
-    return found
+    record = _mountinfo_record(mountpoint)
+    if record is None:
+        return None
+    major, minor = record[0][2].split(":")
+    return int(major), int(minor)
 
 
 def _write_sysfs(path: str, value: int) -> bool:
