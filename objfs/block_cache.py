@@ -17,6 +17,11 @@ Concurrency invariants (trio, one thread):
   own fetch (demand) may evict fresh blocks too, newest first (the furthest ahead of its
   reader), so it never waits on read-ahead.
 
+Used blocks are also capped on their own (``used_limit_bytes``): the kernel's page cache holds
+what a reader got (objfs opens files with ``keep_cache``), so a used block is mostly a second
+copy, and keeping few of them lets the allocator reuse their memory instead of faulting in
+fresh pages for every block.
+
 Blocks are keyed by (key, ETag, block number): a new object version never meets an old block,
 so the cache never needs invalidation.
 """
@@ -39,9 +44,11 @@ class BlockKey(NamedTuple):
 class BlockCache:
     """Fresh and used blocks plus the in-flight table, bounded together by ``capacity_bytes``."""
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, used_limit_bytes: int | None = None) -> None:
         self.capacity_bytes = capacity_bytes
+        self.used_limit_bytes = capacity_bytes if used_limit_bytes is None else used_limit_bytes
         self._used: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._used_bytes = 0
         self._fresh: OrderedDict[BlockKey, bytes] = OrderedDict()
         self._cached_bytes = 0
         self._reserved_bytes = 0  # claimed by fetches in flight
@@ -66,6 +73,8 @@ class BlockCache:
             if data is None:
                 return None
             self._used[key] = data
+            self._used_bytes += len(data)
+            self._trim_used()
             self._wake()  # a consumed block is evictable by prefetches now
         self.hits += 1
         return data
@@ -92,9 +101,17 @@ class BlockCache:
         if self.on_space is not None:
             self.on_space()
 
+    def _trim_used(self) -> None:
+        while self._used_bytes > self.used_limit_bytes and len(self._used) > 1:
+            _, data = self._used.popitem(last=False)
+            self._used_bytes -= len(data)
+            self._cached_bytes -= len(data)
+            self.evictions += 1
+
     def _evict_one(self, *, demand: bool) -> bool:
         if self._used:
             _, data = self._used.popitem(last=False)
+            self._used_bytes -= len(data)
         elif demand and self._fresh:
             # The newest unread block is the furthest ahead of its reader: the cheapest loss.
             _, data = self._fresh.popitem(last=True)
@@ -150,14 +167,20 @@ class BlockCache:
 
     def put(self, key: BlockKey, data: bytes, *, used: bool) -> None:
         """Insert a block whose bytes were reserved: they move from reserved to cached."""
-        for table in (self._used, self._fresh):
-            old = table.pop(key, None)
-            if old is not None:
-                self._cached_bytes -= len(old)
+        old = self._used.pop(key, None)
+        if old is not None:
+            self._used_bytes -= len(old)
+            self._cached_bytes -= len(old)
+        old = self._fresh.pop(key, None)
+        if old is not None:
+            self._cached_bytes -= len(old)
         (self._used if used else self._fresh)[key] = data
         self._cached_bytes += len(data)
         self._reserved_bytes -= len(data)
         self.inserts += 1
+        if used:
+            self._used_bytes += len(data)
+            self._trim_used()
 
     def statistics(self) -> dict[str, int]:
         return {

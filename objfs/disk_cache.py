@@ -11,8 +11,8 @@ Several objfs processes may share one directory: renames are atomic and identica
 be written twice harmlessly; eviction runs under an exclusive ``flock`` on ``DIR/v1/.lock``
 and re-reads the directory first, so it sees the other processes' files.
 
-Eviction is least-recently-used by file mtime (a hit touches the file), under a size cap and a
-free-space floor. The directory is created with mode 0700.
+Eviction is least-recently-used by file mtime (a hit touches a file whose mtime is over a
+minute old; newer hits are remembered in memory), under a size cap and a free-space floor. The directory is created with mode 0700.
 
 Errors: a full, read-only or otherwise failing cache disk turns the tier off with one
 warning; objfs goes on without it.
@@ -45,6 +45,9 @@ _HEADER = struct.Struct("<8sQI")  # magic, data length, crc32(data)
 _STALE_TMP_S = 600.0
 # Re-scan the directory after this many writes so a shared cache sees the others' files.
 _RESCAN_EVERY_WRITES = 512
+# A hit updates its file's mtime (the LRU clock shared with other processes and restarts) only
+# when the mtime is older than this.
+_TOUCH_AFTER_S = 60.0
 
 
 class DiskCache:
@@ -65,6 +68,8 @@ class DiskCache:
         self.enabled = True
         self._lock = threading.Lock()
         self._index: OrderedDict[str, int] = OrderedDict()  # path -> file size, LRU order
+        # Hits whose file mtime was not updated (see read): path -> when, for the LRU order.
+        self._used_at: dict[str, float] = {}
         self._total = 0
         self._writes_since_scan = 0
         self.hits = 0
@@ -106,10 +111,13 @@ class DiskCache:
                     continue
                 entries.append((st.st_mtime, entry.path, st.st_size))
         with self._lock:
-            # mtime ties (the kernel's clock is coarse) keep this process's own, exact order.
+            # A file's last use is its mtime or this process's later hit on it; ties (the
+            # kernel's clock is coarse) keep this process's own, exact order.
             known = {path: n for n, path in enumerate(self._index)}
-            entries.sort(key=lambda e: (e[0], known.get(e[1], -1)))
+            used = self._used_at
+            entries.sort(key=lambda e: (max(e[0], used.get(e[1], 0.0)), known.get(e[1], -1)))
             self._index = OrderedDict((path, size) for _, path, size in entries)
+            self._used_at = {path: t for path, t in used.items() if path in self._index}
             self._total = sum(size for _, _, size in entries)
             self._writes_since_scan = 0
 
@@ -128,15 +136,31 @@ class DiskCache:
             return None
         path = self.path_for(key)
         try:
-            with open(path, "rb") as f:
-                raw = f.read(_HEADER.size + expected_length + 1)
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             self.misses += 1
             return None
         except OSError as exc:
             self._disable(f"reading {path} failed: {exc.strerror}")
             return None
-        problem = self._check(raw, expected_length)
+        try:
+            # Header and data in two reads, so the block is not copied out of a bigger buffer.
+            header = os.read(fd, _HEADER.size)
+            data = os.read(fd, expected_length + 1)
+            mtime = os.fstat(fd).st_mtime
+            now = time.time()
+            if now - mtime > _TOUCH_AFTER_S:
+                # Recency for eviction across restarts and for other processes sharing the
+                # directory; a recent mtime is close enough, and skipping the update saves a
+                # metadata write per hit.
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+        except OSError as exc:
+            self._disable(f"reading {path} failed: {exc.strerror}")
+            return None
+        finally:
+            os.close(fd)
+        problem = self._check(header, data, expected_length)
         if problem is not None:
             self.corrupt += 1
             log.warning(
@@ -144,24 +168,23 @@ class DiskCache:
             )
             self._forget(path)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(path)  # recency for LRU eviction, also across restarts
         with self._lock:
             if path in self._index:
                 self._index.move_to_end(path)
+                self._used_at[path] = now
         self.hits += 1
-        return raw[_HEADER.size :]
+        return data
 
     @staticmethod
-    def _check(raw: bytes, expected_length: int) -> str | None:
-        if len(raw) < _HEADER.size:
+    def _check(header: bytes, data: bytes, expected_length: int) -> str | None:
+        if len(header) < _HEADER.size:
             return "truncated header"
-        magic, length, crc = _HEADER.unpack_from(raw)
+        magic, length, crc = _HEADER.unpack(header)
         if magic != _MAGIC:
             return "bad magic"
-        if length != expected_length or len(raw) != _HEADER.size + length:
-            return f"length {len(raw) - _HEADER.size}, expected {expected_length}"
-        if zlib.crc32(memoryview(raw)[_HEADER.size :]) != crc:
+        if length != expected_length or len(data) != length:
+            return f"length {len(data)}, expected {expected_length}"
+        if zlib.crc32(data) != crc:
             return "checksum mismatch"
         return None
 
@@ -175,12 +198,14 @@ class DiskCache:
             os.path.dirname(path), f".tmp-{os.getpid()}-{threading.get_ident()}-{key.block}"
         )
         try:
-            os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            fd = self._create(tmp)
             try:
-                with os.fdopen(fd, "wb", closefd=True) as f:
-                    f.write(header)
-                    f.write(data)
+                try:
+                    written = os.writev(fd, [header, data])
+                    if written != len(header) + len(data):  # a short write: the disk is full
+                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+                finally:
+                    os.close(fd)
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -203,11 +228,20 @@ class DiskCache:
         if rescan or self._over_limits():
             self.evict()
 
+    def _create(self, tmp: str) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+        try:
+            return os.open(tmp, flags, 0o600)
+        except FileNotFoundError:  # first block in this subdirectory (or it was removed)
+            os.makedirs(os.path.dirname(tmp), mode=0o700, exist_ok=True)
+            return os.open(tmp, flags, 0o600)
+
     def _forget(self, path: str) -> None:
         with contextlib.suppress(OSError):
             os.unlink(path)
         with self._lock:
             size = self._index.pop(path, None)
+            self._used_at.pop(path, None)
             if size is not None:
                 self._total -= size
 
@@ -236,6 +270,7 @@ class DiskCache:
             while self._index and self._over_limits():
                 with self._lock:
                     path, size = self._index.popitem(last=False)
+                    self._used_at.pop(path, None)
                     self._total -= size
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)

@@ -149,7 +149,11 @@ class FileSystem:
         self.config = config
         self.block_size = config.block_size_bytes
         self.part_blocks = max(1, config.part_size_bytes // config.block_size_bytes)
-        self.cache = BlockCache(config.memory_limit_bytes)
+        # Blocks already read are mostly in the kernel's page cache too (keep_cache): keep a
+        # few of them (for reads that straddle requests and for re-reads after the kernel
+        # dropped pages); the rest of the budget is for read-ahead.
+        used_limit = max(2 * config.part_size_bytes, min(config.memory_limit_bytes // 4, 256 << 20))
+        self.cache = BlockCache(config.memory_limit_bytes, used_limit)
         self.disk = disk
         # Disk reads and writes run in threads; a few suffice to keep one disk busy.
         self._disk_limiter = trio.CapacityLimiter(4)
