@@ -1,18 +1,22 @@
 """Persistent on-disk tier of blocks, kept across unmount and restart.
 
-Layout: ``DIR/v1/XY/<digest>.<block>``, where ``digest`` is a SHA-256 of (namespace = endpoint
+Layout: ``DIR/v2/XY/<digest>.<block>``, where ``digest`` is a SHA-256 of (namespace = endpoint
 and bucket, key, ETag, block size), so a new object version or another block size never meets
-an old block and nothing ever needs invalidation. Each file holds a small header (magic,
-length, CRC-32 of the data) and the block; it is written under a temporary name and renamed
-into place, so a reader sees a whole block or none. A block whose length or checksum is wrong
-is deleted and reported as a miss (the caller fetches it again), with a warning.
+an old block and nothing ever needs invalidation. Each file holds a header page (magic,
+length, CRC-32 of the data) and the block from offset 4096, so blocks are written with
+O_DIRECT where the file system allows it: a cold load then neither copies every block into the
+page cache nor fills the page cache with a second copy of the model. A file is written under
+a temporary name and renamed into place, so a reader sees a whole block or none. A block
+whose length or checksum is wrong is deleted and reported as a miss (the caller fetches it
+again), with a warning.
 
 Several objfs processes may share one directory: renames are atomic and identical blocks may
-be written twice harmlessly; eviction runs under an exclusive ``flock`` on ``DIR/v1/.lock``
+be written twice harmlessly; eviction runs under an exclusive ``flock`` on ``DIR/v2/.lock``
 and re-reads the directory first, so it sees the other processes' files.
 
 Eviction is least-recently-used by file mtime (a hit touches a file whose mtime is over a
-minute old; newer hits are remembered in memory), under a size cap and a free-space floor. The directory is created with mode 0700.
+minute old; newer hits are remembered in memory), under a size cap and a free-space floor.
+The directory is created with mode 0700.
 
 Errors: a full, read-only or otherwise failing cache disk turns the tier off with one
 warning; objfs goes on without it.
@@ -27,7 +31,9 @@ import errno
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
+import shutil
 import stat
 import struct
 import threading
@@ -39,8 +45,14 @@ from objfs.block_cache import BlockKey
 
 log = logging.getLogger(__name__)
 
-_MAGIC = b"OBJFSBK1"
+_FORMAT = "v2"  # the subdirectory of this on-disk format; older formats are removed
+_MAGIC = b"OBJFSBK2"
 _HEADER = struct.Struct("<8sQI")  # magic, data length, crc32(data)
+# The header fills the first page and the data starts at a page boundary, so a block can be
+# written with O_DIRECT (DMA from an aligned buffer, no copy into the page cache); files so
+# written are padded to whole pages.
+_PAGE = 4096
+_DATA_OFFSET = _PAGE
 # Temporary files older than this were left by a crashed writer and are removed on scan.
 _STALE_TMP_S = 600.0
 # Re-scan the directory after this many writes so a shared cache sees the others' files.
@@ -60,7 +72,7 @@ class DiskCache:
         size_limit_bytes: int,
         min_free_bytes: int,
     ) -> None:
-        self.root = os.path.join(os.path.abspath(directory), "v1")
+        self.root = os.path.join(os.path.abspath(directory), _FORMAT)
         self.namespace = namespace
         self.block_size = block_size
         self.size_limit_bytes = size_limit_bytes
@@ -72,6 +84,8 @@ class DiskCache:
         self._used_at: dict[str, float] = {}
         self._total = 0
         self._writes_since_scan = 0
+        self._direct = hasattr(os, "O_DIRECT")
+        self._local = threading.local()
         self.hits = 0
         self.misses = 0
         self.writes = 0
@@ -82,6 +96,10 @@ class DiskCache:
     # -- setup -----------------------------------------------------------------------------
 
     def _prepare(self, directory: str) -> None:
+        old = os.path.join(directory, "v1")
+        if os.path.isdir(old) and not os.path.islink(old):
+            log.info("disk cache: removing %s (an older cache format)", old)
+            shutil.rmtree(old, ignore_errors=True)
         os.makedirs(self.root, mode=0o700, exist_ok=True)
         for path in (directory, self.root):
             st = os.stat(path)
@@ -136,7 +154,7 @@ class DiskCache:
             return None
         path = self.path_for(key)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            fd, direct = self._open_for_read(path)
         except FileNotFoundError:
             self.misses += 1
             return None
@@ -144,12 +162,10 @@ class DiskCache:
             self._disable(f"reading {path} failed: {exc.strerror}")
             return None
         try:
-            # Header and data in two reads, so the block is not copied out of a bigger buffer.
-            header = os.read(fd, _HEADER.size)
-            data = os.read(fd, expected_length + 1)
-            mtime = os.fstat(fd).st_mtime
+            header, data = self._read_file(fd, direct, expected_length)
+            st = os.fstat(fd)
             now = time.time()
-            if now - mtime > _TOUCH_AFTER_S:
+            if now - st.st_mtime > _TOUCH_AFTER_S:
                 # Recency for eviction across restarts and for other processes sharing the
                 # directory; a recent mtime is close enough, and skipping the update saves a
                 # metadata write per hit.
@@ -160,7 +176,7 @@ class DiskCache:
             return None
         finally:
             os.close(fd)
-        problem = self._check(header, data, expected_length)
+        problem = self._check(header, data, expected_length, st.st_size)
         if problem is not None:
             self.corrupt += 1
             log.warning(
@@ -175,15 +191,46 @@ class DiskCache:
         self.hits += 1
         return data
 
+    def _open_for_read(self, path: str) -> tuple[int, bool]:
+        """Open a block file, with O_DIRECT where possible; returns (fd, direct)."""
+        if self._direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT), True
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                self._direct = False  # no O_DIRECT on this file system
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC), False
+
+    def _read_file(self, fd: int, direct: bool, expected_length: int) -> tuple[bytes, bytes]:
+        """Header page and data of an open block file (short where the file is)."""
+        if direct:
+            # One read by DMA into an aligned buffer: the block's pages never enter the page
+            # cache (the kernel caches what objfs serves, under the mount's own inode).
+            total = _DATA_OFFSET + _round_up(expected_length, _PAGE)
+            buf = self._aligned_buffer(total)
+            n = os.readv(fd, [memoryview(buf)[:total]])
+            header = buf[: min(n, _DATA_OFFSET)]
+            data = (
+                buf[_DATA_OFFSET : min(n, _DATA_OFFSET + expected_length)]
+                if n > _DATA_OFFSET
+                else b""
+            )
+            return header, data
+        # Two reads, so the block is not copied out of a bigger buffer.
+        return os.read(fd, _DATA_OFFSET), os.read(fd, expected_length)
+
     @staticmethod
-    def _check(header: bytes, data: bytes, expected_length: int) -> str | None:
-        if len(header) < _HEADER.size:
+    def _check(header: bytes, data: bytes, expected_length: int, file_size: int) -> str | None:
+        if len(header) < _DATA_OFFSET:
             return "truncated header"
-        magic, length, crc = _HEADER.unpack(header)
+        magic, length, crc = _HEADER.unpack_from(header)
         if magic != _MAGIC:
             return "bad magic"
         if length != expected_length or len(data) != length:
             return f"length {len(data)}, expected {expected_length}"
+        if file_size not in (_DATA_OFFSET + length, _DATA_OFFSET + _round_up(length, _PAGE)):
+            return f"file size {file_size} does not match a {length}-byte block"
         if zlib.crc32(data) != crc:
             return "checksum mismatch"
         return None
@@ -198,14 +245,8 @@ class DiskCache:
             os.path.dirname(path), f".tmp-{os.getpid()}-{threading.get_ident()}-{key.block}"
         )
         try:
-            fd = self._create(tmp)
             try:
-                try:
-                    written = os.writev(fd, [header, data])
-                    if written != len(header) + len(data):  # a short write: the disk is full
-                        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-                finally:
-                    os.close(fd)
+                size = self._write_file(tmp, header, data)
                 os.replace(tmp, path)
             except BaseException:
                 with contextlib.suppress(OSError):
@@ -217,7 +258,6 @@ class DiskCache:
                 return
             log.warning("disk cache: writing %s failed: %s", path, exc.strerror)
             return
-        size = len(header) + len(data)
         with self._lock:
             old = self._index.pop(path, None)
             self._total += size - (old or 0)
@@ -228,8 +268,55 @@ class DiskCache:
         if rescan or self._over_limits():
             self.evict()
 
-    def _create(self, tmp: str) -> int:
-        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
+    def _write_file(self, tmp: str, header: bytes, data: bytes) -> int:
+        """Write header and block to a new file ``tmp``; return the file's size."""
+        if self._direct:
+            total = _DATA_OFFSET + _round_up(len(data), _PAGE)
+            buf = self._aligned_buffer(total)
+            buf[: len(header)] = header
+            buf[_DATA_OFFSET : _DATA_OFFSET + len(data)] = data
+            buf[_DATA_OFFSET + len(data) : total] = bytes(total - _DATA_OFFSET - len(data))
+            try:
+                fd = self._create(tmp, os.O_DIRECT)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+                fd = -1  # this file system has no O_DIRECT (tmpfs)
+            if fd >= 0:
+                try:
+                    written = os.write(fd, memoryview(buf)[:total])
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    written = -1
+                finally:
+                    os.close(fd)
+                if written == total:
+                    return total
+                if written >= 0:  # a short write: the disk is full
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            self._direct = False
+            log.debug("disk cache: O_DIRECT unsupported in %s; using buffered writes", self.root)
+        fd = self._create(tmp, 0)
+        try:
+            padding = bytes(_DATA_OFFSET - len(header))
+            total = _DATA_OFFSET + len(data)
+            if os.writev(fd, [header, padding, data]) != total:  # short: the disk is full
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        finally:
+            os.close(fd)
+        return total
+
+    def _aligned_buffer(self, size: int) -> mmap.mmap:
+        """This thread's page-aligned buffer (anonymous mmap) of at least ``size`` bytes."""
+        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+        if buf is None or len(buf) < size:
+            buf = mmap.mmap(-1, max(size, _DATA_OFFSET + _round_up(self.block_size, _PAGE)))
+            self._local.buf = buf
+        return buf
+
+    def _create(self, tmp: str, extra_flags: int) -> int:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | extra_flags
         try:
             return os.open(tmp, flags, 0o600)
         except FileNotFoundError:  # first block in this subdirectory (or it was removed)
@@ -286,3 +373,7 @@ class DiskCache:
             "disk_bytes": self._total,
             "disk_enabled": int(self.enabled),
         }
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple

@@ -6,6 +6,7 @@ GETs a pattern of reads costs.
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
@@ -321,7 +322,7 @@ async def test_corrupt_disk_blocks_are_fetched_again(
 
 
 def test_disk_cache_evicts_least_recently_used_under_the_cap(tmp_path: Path) -> None:
-    cache = disk_cache(tmp_path / "c", size_limit_bytes=5 * MiB + 4096)
+    cache = disk_cache(tmp_path / "c", size_limit_bytes=5 * (MiB + 4096))  # 4 KiB: header
     keys = [BlockKey("k", "e", i) for i in range(8)]
     for key in keys[:4]:
         cache.write(key, os.urandom(MiB))
@@ -333,7 +334,7 @@ def test_disk_cache_evicts_least_recently_used_under_the_cap(tmp_path: Path) -> 
     assert 0 in present
     assert present == [0, 4, 5, 6, 7]
     total = sum(os.path.getsize(cache.path_for(BlockKey("k", "e", b))) for b in present)
-    assert total <= 5 * MiB + 4096
+    assert total <= 5 * (MiB + 4096)
 
 
 def test_two_processes_may_share_one_cache_directory(tmp_path: Path) -> None:
@@ -379,3 +380,52 @@ def test_unwritable_cache_turns_the_tier_off_with_one_warning(
         os.chmod(cache.root, 0o700)
     assert not cache.enabled
     assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_disk_cache_round_trips_blocks_of_every_length(tmp_path: Path, direct: bool) -> None:
+    """Blocks are written with O_DIRECT (page-padded files) where the file system allows it,
+    else buffered; either way every length reads back intact, also across the two modes."""
+    cache = disk_cache(tmp_path / "c")
+    cache._direct = direct and hasattr(os, "O_DIRECT")
+    blobs = {BlockKey("k", "e", n): os.urandom(n) for n in (1, 4095, 4096, 5000, MiB)}
+    for key, blob in blobs.items():
+        cache.write(key, blob)
+    for key, blob in blobs.items():
+        size = os.path.getsize(cache.path_for(key))
+        padded = 4096 + -(-len(blob) // 4096) * 4096
+        assert size == (padded if cache._direct else 4096 + len(blob))
+        other = disk_cache(tmp_path / "c")
+        other._direct = not cache._direct and hasattr(os, "O_DIRECT")
+        assert cache.read(key, len(blob)) == blob
+        assert other.read(key, len(blob)) == blob
+        assert cache.read(key, len(blob) + 1) is None  # a length mismatch is a corrupt block
+    assert cache.corrupt == len(blobs)
+
+
+def test_disk_cache_falls_back_to_buffered_io_without_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that refuses O_DIRECT (EINVAL, as older tmpfs does): the cache notices
+    and reads and writes buffered, with correct bytes."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+    refused: list[str] = []
+
+    def no_direct(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, mode)
+
+    cache = disk_cache(tmp_path / "c")
+    monkeypatch.setattr(os, "open", no_direct)
+    cache.write(BlockKey("k", "e", 0), b"abc" * 1000)
+    assert refused
+    assert not cache._direct
+    assert os.path.getsize(cache.path_for(BlockKey("k", "e", 0))) == 4096 + 3000
+    reader = disk_cache(tmp_path / "c")
+    assert reader.read(BlockKey("k", "e", 0), 3000) == b"abc" * 1000
+    assert not reader._direct
+    assert len(refused) == 2
