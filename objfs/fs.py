@@ -17,8 +17,9 @@ Reads go through three tiers: the memory :class:`~objfs.block_cache.BlockCache` 
 hits it returns without waiting on anything), the optional persistent
 :class:`~objfs.disk_cache.DiskCache`, and ranged GETs of ``part_size`` bytes. Read-ahead
 (:mod:`objfs.readahead`) decides what to fetch ahead of each sequential stream; files every
-loader reads whole (``*.safetensors``) are fetched ahead from open. A random read fetches
-only the blocks it touches.
+loader reads whole (``*.safetensors``) are fetched ahead from open. A random read of a block
+that no tier holds fetches only the bytes it touches, rounded to ``RANDOM_READ_ALIGN``, and
+leaves them to the kernel's page cache: a 4 KiB lookup does not wait for a whole block.
 
 Concurrency: everything here runs on the trio thread. Listings are single-flight; a block is
 fetched once however many handles and processes want it (see :mod:`objfs.block_cache`).
@@ -54,6 +55,10 @@ from objfs.readahead import Readahead
 from objfs.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
+
+# A random read that misses every tier fetches this much around what it touches (a multiple
+# of the page size: the kernel caches the pages it asked for).
+RANDOM_READ_ALIGN = 64 * 1024
 
 ROOT_INODE = 1  # FUSE's fixed root inode number
 NAME_MAX = 255  # bytes, the Linux limit for one path component
@@ -177,6 +182,7 @@ class FileSystem:
         self._nodes: dict[int, Node] = {}
         self._listings: dict[int, Listing] = {}
         self._list_flight: SingleFlight[int, Listing] = SingleFlight()
+        self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
@@ -448,6 +454,10 @@ class FileSystem:
         window = handle.readahead.on_read(offset, end - offset)
         if window is not None:
             self._prefetch(handle, window, cancellable=True)
+        elif handle.readahead.last_random:
+            data = await self._read_random(handle, offset, end)
+            if data is not None:
+                return data
         bs = self.block_size
         first, last = offset // bs, (end - 1) // bs
         if first == last:
@@ -466,6 +476,32 @@ class FileSystem:
             base = index * bs
             pieces.append(memoryview(block)[max(offset, base) - base : min(end, base + bs) - base])
         return b"".join(pieces)
+
+    async def _read_random(self, handle: Handle, offset: int, end: int) -> bytes | None:
+        """Bytes [offset, end) for a random read, or None to read through the block cache
+        (some of its blocks are cached or on their way there)."""
+        bs = self.block_size
+        indexes = list(range(offset // bs, (end - 1) // bs + 1))
+        keys = [self._block_key(handle, i) for i in indexes]
+        if any(self.cache.is_cached_or_pending(k) for k in keys):
+            return None
+        if self.disk is not None and self.disk.enabled:
+            found = await trio.to_thread.run_sync(
+                self._disk_read_many, handle, indexes, limiter=self._disk_limiter
+            )
+            if len(found) == len(indexes):
+                joined = b"".join(found[i] for i in indexes)
+                base = indexes[0] * bs
+                return joined[offset - base : end - base]
+        start = offset // RANDOM_READ_ALIGN * RANDOM_READ_ALIGN
+        stop = min(handle.size, _ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
+
+        async def fetch() -> bytes:
+            return await self.backend.read_range(handle.key, handle.etag, start, stop - start)
+
+        # Readers of the same range (other handles, other processes) share one GET.
+        data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
+        return data[offset - start : end - start]
 
     async def _demand(self, handle: Handle, index: int) -> bytes:
         """A reader needs block ``index`` now: wait for its fetch in flight, or fetch it."""

@@ -47,6 +47,8 @@ class Readahead:
         self.max_window = max(max_window, initial_window)
         self.streams: list[Stream] = []
         self._clock = 0
+        # The last read continued no stream and did not start at offset 0: random access.
+        self.last_random = False
 
     def _match(self, offset: int) -> Stream | None:
         for stream in self.streams:
@@ -63,6 +65,7 @@ class Readahead:
         self._clock += 1
         end = min(offset + length, self.size)
         stream = self._match(offset)
+        self.last_random = stream is None and offset != 0
         if stream is None:
             window = self.initial_window if offset == 0 else 0
             stream = Stream(end, window, end, self._clock)

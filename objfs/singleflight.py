@@ -1,8 +1,8 @@
 """Run at most one instance of an async computation per key; concurrent callers share it.
 
-Used for directory listings. The leader sets the event in ``finally``, so waiters wake on
-failure too: a waiter whose leader failed with an ``Exception`` raises that exception, a
-waiter whose leader was cancelled runs the computation itself.
+Used for directory listings and random reads. The leader sets the event in ``finally``, so
+waiters wake on failure too: a waiter whose leader failed with an ``Exception`` raises that
+exception, a waiter whose leader was cancelled runs the computation itself.
 """
 
 from __future__ import annotations

@@ -182,21 +182,32 @@ async def test_reads_past_4gib() -> None:
     assert (await fs.getattr(await resolve(fs, "huge"))).size == size
 
 
-async def test_concurrent_reads_of_one_block_share_one_get() -> None:
+@pytest.mark.parametrize(
+    "offsets",
+    [
+        [0] * 8,  # streams from the start: whole blocks, shared
+        [270_000 + 4096 * i for i in range(8)],  # random reads in one 64 KiB range
+    ],
+    ids=["sequential", "random"],
+)
+async def test_concurrent_reads_of_one_block_share_one_get(offsets: list[int]) -> None:
+    """Concurrent first reads, one per handle, all missing: one GET between them."""
     backend = MemoryBackend(latency_s=0.05)
-    backend.put("p/f", os.urandom(MiB))
+    data = os.urandom(MiB)
+    backend.put("p/f", data)
     fs = make_fs(backend, block_size_bytes=MiB)
     inode = await resolve(fs, "f")
-    handles = [(await fs.open(inode, os.O_RDONLY))[0] for _ in range(4)]
-    results: list[bytes] = []
+    results: list[tuple[int, bytes]] = []
 
     async def read(fh: int, off: int) -> None:
-        results.append(await fs.read(fh, off, 4096))
+        results.append((off, bytes(await fs.read(fh, off, 4096))))
 
+    handles = [(await fs.open(inode, os.O_RDONLY))[0] for _ in offsets]
     async with trio.open_nursery() as nursery:
-        for i, fh in enumerate(handles * 3):
-            nursery.start_soon(read, fh, (i * 8192) % MiB)
-    assert len(results) == 12
+        for fh, off in zip(handles, offsets, strict=True):
+            nursery.start_soon(read, fh, off)
+    assert len(results) == len(offsets)
+    assert all(got == data[off : off + 4096] for off, got in results)
     assert backend.statistics()["get"] == 1
 
 

@@ -20,7 +20,7 @@ from objfs.backends.memory import MemoryBackend
 from objfs.block_cache import BlockKey
 from objfs.config import MountConfig, S3Options, parse_source
 from objfs.disk_cache import DiskCache
-from objfs.fs import ROOT_INODE, FileSystem
+from objfs.fs import RANDOM_READ_ALIGN, ROOT_INODE, FileSystem
 from objfs.readahead import FORWARD_TOLERANCE, Readahead
 
 MiB = 1024 * 1024
@@ -150,8 +150,36 @@ async def test_random_reads_fetch_only_what_they_touch(nursery: trio.Nursery) ->
     for off in offsets:
         assert await fs.read(fh, off, 4096) == data[off : off + 4096]
     await settle()
-    assert backend.statistics()["get"] == len(offsets)
-    assert fs.cache.statistics()["inserts"] == len(offsets)  # one block each
+    stats = backend.statistics()
+    assert stats["get"] == len(offsets)
+    # Each 4 KiB read fetched one aligned 64 KiB range, not its 1 MiB block; the kernel's page
+    # cache keeps those pages, so the block cache holds nothing.
+    assert stats["get_bytes"] == len(offsets) * RANDOM_READ_ALIGN
+    assert fs.cache.statistics()["inserts"] == 0
+    # Reading on from a random read starts a stream: blocks again, and read-ahead.
+    off = offsets[0] + 4096
+    assert await fs.read(fh, off, 128 * 1024) == data[off : off + 128 * 1024]
+    assert fs.cache.statistics()["inserts"] > 0
+
+
+async def test_random_reads_are_served_from_the_disk_cache(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A random read of a block the disk tier holds costs no GET."""
+    backend = MemoryBackend()
+    data = os.urandom(8 * MiB)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config(), disk_cache(tmp_path / "c"))
+    fs.start(nursery)
+    assert await read_all(fs, await open_file(fs, "f.bin"), len(data)) == data
+    await settle()
+    fs2 = FileSystem(backend, config(), disk_cache(tmp_path / "c"))
+    fs2.start(nursery)
+    before = backend.statistics()["get"]
+    fh = await open_file(fs2, "f.bin")
+    for off in (5 * MiB + 3, 1 * MiB - 100, 7 * MiB + 12345):  # the second straddles blocks
+        assert await fs2.read(fh, off, 4096) == data[off : off + 4096]
+    assert backend.statistics()["get"] == before
 
 
 async def test_safetensors_are_fetched_whole_on_open(nursery: trio.Nursery) -> None:
