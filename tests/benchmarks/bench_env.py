@@ -525,16 +525,16 @@ def mounted(
 
 
 def objfs_cmd(
-    source: str, path: Path, cache_dir: Path, log_file: Path, extra: Sequence[str] = ()
+    source: str, path: Path, cache_dir: Path | None, log_file: Path, extra: Sequence[str] = ()
 ) -> list[str]:
+    cache = [] if cache_dir is None else ["--cache-dir", str(cache_dir)]
     return [
         str(VENV_BIN / "objfs"),
         "mount",
         source,
         str(path),
         "--foreground",
-        "--cache-dir",
-        str(cache_dir),
+        *cache,
         "--log-file",
         str(log_file),
         *extra,

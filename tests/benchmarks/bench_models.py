@@ -376,6 +376,22 @@ def fuse_run(b: Bench, kind: FuseKind, url: str, full: bool) -> dict[str, float]
     return out
 
 
+def objfs_nocache_run(b: Bench, url: str) -> dict[str, float]:
+    """objfs's cold load without a disk cache (memory tier only)."""
+    mnt, _ = b.fresh("objfs-nocache")
+    cmd = env.objfs_cmd(
+        f"s3://{env.MODEL_BUCKET}", mnt, None, b.log(f"objfs-{mnt.name}"), ["--endpoint-url", url]
+    )
+    with env.mounted("objfs", cmd, mnt, b.log("objfs-stdout")) as m:
+        shards = [mnt / s for s in env.SHARDS]
+        b.drop(shards)
+        cpu0 = m.cpu_s()
+        cold = t_load(shards)
+        pass_ = "shaped" if b.proxy and url == b.proxy.url else "s3"
+        b.results.extra(pass_, NOCACHE, {"daemon_cpu_s": m.cpu_s() - cpu0})
+    return {"cold_load": cold}
+
+
 def torch_io_run(b: Bench) -> dict[str, float]:
     """objfs.torch_io.load_safetensors on a fresh objfs mount: cold, then warm."""
     out: dict[str, float] = {}
@@ -741,6 +757,8 @@ def _fmt_value(key: str, value: float) -> str:
 # -- report ---------------------------------------------------------------------------------------
 
 PEERS = ("s3fs", "rclone full", "rclone off", "Run:ai streamer")
+# objfs without --cache-dir: the cold load alone, to show what the persistent cache costs.
+NOCACHE = "objfs, no --cache-dir"
 CEILINGS = ("ceiling: 1 GET/file", "ceiling: 8 MiB x 8", "ceiling: 8 MiB x 32")
 
 
@@ -870,7 +888,7 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
         )
     )
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in (*CEILINGS, "objfs", *PEERS, "copy first", "local disk"):
+    for name in (*CEILINGS, "objfs", NOCACHE, *PEERS, "copy first", "local disk"):
         cold = r.median("s3", name, "cold_load")
         shaped = r.median("shaped", name, "cold_load")
         add(
@@ -1194,6 +1212,7 @@ def _s3_jobs(
     }
     for name, kind in FUSE_KINDS.items():
         jobs[name] = lambda kind=kind: fuse_run(b, kind, url, full)
+    jobs[NOCACHE] = lambda: objfs_nocache_run(b, url)
     jobs["Run:ai streamer"] = lambda: _with_proxy_stats(
         b, "Run:ai streamer", lambda: runai_run(b, url)
     )
