@@ -96,6 +96,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="CA certificates for a TLS endpoint with a private CA (default: $AWS_CA_BUNDLE)",
     )
 
+    store.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=S3Options.connect_timeout_s,
+        metavar="SECONDS",
+        help="give up connecting to the store after this long (default: %(default)s)",
+    )
+    store.add_argument(
+        "--read-timeout",
+        type=float,
+        default=S3Options.read_timeout_s,
+        metavar="SECONDS",
+        help="give up on a response that sends nothing for this long (default: %(default)s)",
+    )
+    store.add_argument(
+        "--max-attempts",
+        type=int,
+        default=S3Options.max_attempts,
+        metavar="N",
+        help="attempts per request, the first included, with exponential backoff and jitter "
+        "(default: %(default)s)",
+    )
+
     azure = m.add_argument_group(
         "Azure", "for az://, azure:// and https://ACCOUNT.blob.core.windows.net SOURCEs"
     )
@@ -309,6 +332,19 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         raise UsageError(
             f"--max-connections: {args.max_connections} is out of range: give 1 to 1024"
         )
+    for flag, value in (
+        ("--connect-timeout", args.connect_timeout),
+        ("--read-timeout", args.read_timeout),
+    ):
+        if not 0.1 <= value <= 3600:  # also refuses nan
+            raise UsageError(f"{flag}: {value:g} is out of range: give 0.1 to 3600 seconds")
+    if not 1 <= args.max_attempts <= 100:
+        raise UsageError(f"--max-attempts: {args.max_attempts} is out of range: give 1 to 100")
+    timeouts = {
+        "connect_timeout_s": args.connect_timeout,
+        "read_timeout_s": args.read_timeout,
+        "max_attempts": args.max_attempts,
+    }
     s3 = S3Options(
         endpoint_url=args.endpoint_url,
         region=args.region or os.environ.get("AWS_REGION") or None,
@@ -317,6 +353,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         force_path_style=args.force_path_style,
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
+        **timeouts,
     )
     if not 0 <= args.read_ahead_kb <= 1 << 20:
         raise UsageError(f"--read-ahead-kb: {args.read_ahead_kb} is out of range: 0 to 1048576")
@@ -354,6 +391,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         sas_token_file=None if sas_file is None else os.path.abspath(sas_file),
         no_sign_request=args.no_sign_request,
         max_connections=args.max_connections,
+        **timeouts,
     )
     return MountConfig(
         source=source,

@@ -140,8 +140,18 @@ def mount_entry(path: str) -> tuple[str, str] | None:
 
 
 def check_mountpoint(path: str) -> None:
-    """Raise if ``path`` cannot take a new mount: missing, not a dir, mounted, not empty."""
+    """Raise if ``path`` cannot take a new mount: missing, not a dir, mounted, not empty.
+
+    An objfs mount whose daemon is gone (killed, OOM) answers ENOTCONN: it is detached here,
+    with a warning, so mounting again recovers (and reuses the disk cache) without a manual
+    ``objfs unmount --force``. A live or hanging mount is left alone.
+    """
     entry = mount_entry(path)
+    if entry is not None and entry[0] == "fuse.objfs":
+        from objfs.sidecar import clear_dead_mount
+
+        if clear_dead_mount(path):
+            entry = mount_entry(path)
     if entry is not None:
         hint = "run `objfs unmount MOUNTPOINT` first"
         if entry[0].startswith("fuse"):
@@ -243,6 +253,15 @@ def open_disk_cache(config: MountConfig, backend: Backend) -> DiskCache | None:
             min_free_bytes=min_free,
         )
     except OSError as exc:
+        if exc.errno in (errno.EROFS, errno.ENOSPC, errno.EDQUOT):
+            # The disk's trouble, not the user's mistake: serve without the tier, as when the
+            # disk fails later (see DiskCache._disable).
+            log.warning(
+                "disk cache turned off: %s: %s; objfs continues without it",
+                config.cache_dir,
+                exc.strerror,
+            )
+            return None
         raise UsageError(
             f"--cache-dir {config.cache_dir}: {exc.strerror}: give a writable directory "
             "on a local disk"

@@ -252,6 +252,7 @@ class S3Backend(Backend):
     ) -> list[bytes]:
         what = f"GET s3://{self.bucket}/{key} bytes {start}-{start + length - 1}"
         sizes = [min(block_size, length - i) for i in range(0, length, block_size)]
+        expected_range = f"bytes {start}-{start + length - 1}/"
 
         def fetch() -> list[bytes]:
             kwargs: dict[str, Any] = {
@@ -266,6 +267,13 @@ class S3Backend(Backend):
                 try:
                     resp = self._client.get_object(**kwargs)
                     body: Any = resp["Body"]
+                    got_range = str(resp.get("ContentRange", ""))
+                    whole = not got_range and start == 0 and resp.get("ContentLength") == length
+                    if not (whole or got_range.startswith(expected_range)):
+                        # Bytes of another range (a broken proxy or server): never pass them on.
+                        body.close()
+                        last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
+                        continue
                     raw = body._raw_stream  # the urllib3 response: exact-size reads, no join
                     try:
                         blocks = [raw.read(n) for n in sizes]

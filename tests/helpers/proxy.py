@@ -9,6 +9,14 @@ It sits between objfs (or any client) and a real object-store server on 127.0.0.
   request, and ``bytes_per_s`` caps each connection's download rate (a token bucket), which
   makes a loopback server look like a real object store (10 ms, 50 MB/s per connection).
 
+* faults: a :class:`FaultPlan` breaks every n-th matching response in one of these ways:
+  ``reset`` (a TCP reset after part of the body), ``truncate`` (the connection closed cleanly
+  after part of the body), ``stall`` (nothing sent for ``stall_s``), ``500``/``503`` (an error
+  answered by the proxy itself, 503 as S3's ``SlowDown``), ``short_length`` (a Content-Length
+  smaller than the body, so the rest poisons the connection), ``wrong_range`` (a Content-Range
+  that names other bytes than those asked for) and ``bad_xml`` (a 200 whose XML body is cut
+  in half); ``refuse(True)`` resets every new connection until ``refuse(False)``.
+
 Threads, not async: one pair per connection keeps it simple and independent of the code under
 test. Only loopback addresses are used.
 """
@@ -16,7 +24,10 @@ test. Only loopback addresses are used.
 from __future__ import annotations
 
 import contextlib
+import itertools
+import re
 import socket
+import struct
 import threading
 import time
 from collections import Counter
@@ -46,6 +57,65 @@ class ProxyStats:
         return c
 
 
+FAULT_KINDS = (
+    "reset",
+    "truncate",
+    "stall",
+    "500",
+    "503",
+    "short_length",
+    "wrong_range",
+    "bad_xml",
+)
+_SYNTHETIC = {
+    "500": (
+        "500 Internal Server Error",
+        b"<?xml version='1.0'?><Error><Code>InternalError</Code>"
+        b"<Message>injected</Message></Error>",
+    ),
+    "503": (
+        "503 Slow Down",
+        b"<?xml version='1.0'?><Error><Code>SlowDown</Code><Message>injected</Message></Error>",
+    ),
+}
+
+
+@dataclass
+class FaultPlan:
+    """Break every ``every``-th request that ``applies`` to, cycling through ``kinds``."""
+
+    kinds: tuple[str, ...]
+    every: int = 1
+    # "data": ranged GETs only; "list": bucket listings (GET with list-type or restype=container
+    # &comp=list); "all": every request.
+    target: str = "data"
+    stall_s: float = 30.0
+    cut_after: int = 100_000  # body bytes sent before a reset or truncation
+
+    def __post_init__(self) -> None:
+        unknown = set(self.kinds) - set(FAULT_KINDS)
+        if unknown:
+            raise ValueError(f"unknown fault kinds {sorted(unknown)}")
+
+    def applies(self, request: Request) -> bool:
+        if self.target == "all":
+            return True
+        is_list = request.method == "GET" and (
+            "list-type=" in request.target or "comp=list" in request.target
+        )
+        if self.target == "list":
+            return is_list
+        return request.method == "GET" and "range" in request.headers and not is_list
+
+
+@dataclass
+class _Conn:
+    """What the response pump must do to the response now on its way."""
+
+    fault: str | None = None
+    request: Request | None = None
+
+
 class Proxy:
     """``Proxy(upstream_port)``; ``start()``, then point clients at ``url``; ``stop()``."""
 
@@ -67,6 +137,32 @@ class Proxy:
         self._stopping = threading.Event()
         self._sockets: set[socket.socket] = set()
         self._threads: list[threading.Thread] = []
+        self._plan: FaultPlan | None = None
+        self._matching = itertools.count(1)
+        self._refusing = False
+        self.injected: Counter[str] = Counter()  # faults injected, by kind
+
+    def set_faults(self, plan: FaultPlan | None) -> None:
+        """Start (or, with None, stop) breaking responses."""
+        with self._lock:
+            self._plan = plan
+            self._matching = itertools.count(1)
+
+    def refuse(self, on: bool) -> None:
+        """Reset every new connection while ``on``."""
+        self._refusing = on
+
+    def _fault_for(self, request: Request) -> str | None:
+        with self._lock:
+            plan = self._plan
+            if plan is None or not plan.applies(request):
+                return None
+            n = next(self._matching)
+            if n % plan.every:
+                return None
+            kind = plan.kinds[(n // plan.every - 1) % len(plan.kinds)]
+            self.injected[kind] += 1
+            return kind
 
     def start(self) -> Proxy:
         t = threading.Thread(target=self._accept_loop, name="proxy-accept", daemon=True)
@@ -101,6 +197,11 @@ class Proxy:
                 client, _ = self._listener.accept()
             except OSError:
                 return
+            if self._refusing:
+                with self._lock:
+                    self.injected["refused"] += 1
+                _reset(client)
+                continue
             try:
                 server = socket.create_connection(self.upstream, timeout=10)
             except OSError:
@@ -113,11 +214,12 @@ class Proxy:
                 self._sockets.update((client, server))
                 self.stats.connections += 1
             pending = threading.Event()  # a request was sent and its response not started
+            conn = _Conn()
             up = threading.Thread(
-                target=self._pump_requests, args=(client, server, pending), daemon=True
+                target=self._pump_requests, args=(client, server, pending, conn), daemon=True
             )
             down = threading.Thread(
-                target=self._pump_responses, args=(server, client, pending), daemon=True
+                target=self._pump_responses, args=(server, client, pending, conn), daemon=True
             )
             up.start()
             down.start()
@@ -132,7 +234,11 @@ class Proxy:
             sock.close()
 
     def _pump_requests(
-        self, client: socket.socket, server: socket.socket, pending: threading.Event
+        self,
+        client: socket.socket,
+        server: socket.socket,
+        pending: threading.Event,
+        conn: _Conn,
     ) -> None:
         buf = b""
         body_left = 0
@@ -142,6 +248,7 @@ class Proxy:
                 if not data:
                     break
                 buf += data
+                fault: str | None = None
                 # Parse complete request heads out of the stream; skip bodies.
                 while True:
                     if body_left:
@@ -158,6 +265,18 @@ class Proxy:
                         with self._lock:
                             self.stats.requests.append(request)
                         body_left = int(request.headers.get("content-length", "0") or 0)
+                        fault = self._fault_for(request)
+                        conn.request = request
+                if fault in _SYNTHETIC and not buf and not body_left:
+                    # Answer it here; the server never sees this request.
+                    status, body = _SYNTHETIC[fault]
+                    client.sendall(
+                        f"HTTP/1.1 {status}\r\nContent-Type: application/xml\r\n"
+                        f"Content-Length: {len(body)}\r\n\r\n".encode()
+                        + body
+                    )
+                    continue
+                conn.fault = fault if fault not in _SYNTHETIC else None
                 pending.set()
                 server.sendall(data)
         except OSError:
@@ -166,10 +285,18 @@ class Proxy:
             self._close(client, server)
 
     def _pump_responses(
-        self, server: socket.socket, client: socket.socket, pending: threading.Event
+        self,
+        server: socket.socket,
+        client: socket.socket,
+        pending: threading.Event,
+        conn: _Conn,
     ) -> None:
         allowance = 0.0
         last = time.monotonic()
+        fault: str | None = None
+        cut: int | None = None  # close the connection after this many body bytes
+        sent_body = -1  # body bytes of the current response sent; -1: head not complete
+        head = b""
         try:
             while True:
                 data = server.recv(_CHUNK)
@@ -177,8 +304,31 @@ class Proxy:
                     break
                 if pending.is_set():
                     pending.clear()
+                    fault, conn.fault = conn.fault, None
+                    sent_body, head, cut = -1, b"", None
+                    if fault == "stall":
+                        plan = self._plan
+                        self._sleep(plan.stall_s if plan else 30.0)
+                        fault = None
                     if self.first_byte_delay_s:
                         time.sleep(self.first_byte_delay_s)
+                if fault is not None:
+                    if sent_body < 0:
+                        head += data
+                        end = head.find(b"\r\n\r\n")
+                        if end < 0:
+                            continue
+                        new_head, cut = self._rewrite(head[: end + 4], fault)
+                        data = new_head + head[end + 4 :]
+                        sent_body = len(head) - end - 4
+                    else:
+                        sent_body += len(data)
+                    if cut is not None and sent_body >= cut:
+                        data = data[: len(data) - (sent_body - cut)]
+                        client.sendall(data)
+                        if fault == "reset":
+                            _reset(client)
+                        break
                 if self.bytes_per_s:
                     now = time.monotonic()
                     allowance = min(
@@ -193,6 +343,41 @@ class Proxy:
             pass
         finally:
             self._close(server, client)
+
+    def _sleep(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while not self._stopping.is_set() and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    def _rewrite(self, head: bytes, fault: str) -> tuple[bytes, int | None]:
+        """The response head with the fault's lie in it, and after how many body bytes to
+        close the connection (None: send it all)."""
+        text = head.decode("latin-1")
+        length = re.search(r"(?im)^content-length:\s*(\d+)", text)
+        plan = self._plan
+        if fault in ("reset", "truncate"):
+            return head, plan.cut_after if plan else 100_000
+        if fault in ("short_length", "bad_xml") and length and int(length.group(1)) > 1:
+            half = int(length.group(1)) // 2
+            text = text[: length.start(1)] + str(half) + text[length.end(1) :]
+            # short_length: the other half stays on the connection and poisons the next
+            # response; bad_xml: the client gets an honest length but half a document.
+            return text.encode("latin-1"), half if fault == "bad_xml" else None
+        if fault == "wrong_range":
+            m = re.search(r"(?im)^content-range:\s*bytes (\d+)-(\d+)/(\d+)", text)
+            if m:
+                first, last, total = (int(g) for g in m.groups())
+                shift = 4096 if first >= 4096 else -4096 if first else 1
+                new = f"Content-Range: bytes {first + shift}-{last + shift}/{total}"
+                text = text[: m.start()] + new + text[m.end() :]
+        return text.encode("latin-1"), None
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close ``sock`` with a TCP reset instead of a FIN."""
+    with contextlib.suppress(OSError):
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
 
 
 def _parse_head(head: str) -> Request | None:
