@@ -42,6 +42,7 @@ import zlib
 from collections import OrderedDict
 
 from objfs.block_cache import BlockKey
+from objfs.errors import UsageError
 
 log = logging.getLogger(__name__)
 
@@ -96,19 +97,54 @@ class DiskCache:
     # -- setup -----------------------------------------------------------------------------
 
     def _prepare(self, directory: str) -> None:
+        """Create the cache directory (0700) or check an existing one.
+
+        Cached blocks are bucket data, as private as the bucket. A directory that another user
+        owns, or that group or others may write to, is refused with a UsageError: someone else
+        could read the blocks, or plant blocks objfs would serve. A directory only readable by
+        others is tightened to 0700. A symlink is followed: the directory it resolves to is
+        the one checked (and named in the error), as it is the one used.
+        """
+        if not os.path.lexists(directory):
+            # Not makedirs(root) alone: it would create ``directory`` with the umask's mode.
+            os.makedirs(directory, mode=0o700, exist_ok=True)
+            os.chmod(directory, 0o700)  # whatever the umask
+        self._check_private(directory, directory)
         old = os.path.join(directory, "v1")
         if os.path.isdir(old) and not os.path.islink(old):
             log.info("disk cache: removing %s (an older cache format)", old)
             shutil.rmtree(old, ignore_errors=True)
         os.makedirs(self.root, mode=0o700, exist_ok=True)
-        for path in (directory, self.root):
-            st = os.stat(path)
-            if stat.S_IMODE(st.st_mode) & 0o077:
-                # Cached model bytes are as private as the bucket: no access for others.
-                os.chmod(path, 0o700)
+        self._check_private(self.root, directory)
         lock_path = os.path.join(self.root, ".lock")
         fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
         os.close(fd)
+
+    @staticmethod
+    def _check_private(path: str, option_value: str) -> None:
+        real = os.path.realpath(path)
+        shown = (
+            f"--cache-dir {path}" if path == option_value else f"--cache-dir {option_value}: {path}"
+        )
+        if real != path:
+            shown += f" (which resolves to {real})"
+        st = os.stat(real)
+        if not stat.S_ISDIR(st.st_mode):
+            raise UsageError(f"{shown} is not a directory")
+        uid = os.geteuid()
+        if st.st_uid != uid:
+            raise UsageError(
+                f"{shown} is owned by uid {st.st_uid}, not by objfs's user (uid {uid}): give a "
+                f"directory of your own, or `chown {uid} {real}`"
+            )
+        mode = stat.S_IMODE(st.st_mode)
+        if mode & 0o022:
+            raise UsageError(
+                f"{shown} is writable by group or others (mode {mode:04o}); cached blocks are "
+                f"bucket data: `chmod 700 {real}` or give a private directory"
+            )
+        if mode & 0o077:
+            os.chmod(real, 0o700)  # readable by others: no access for others
 
     def _scan(self) -> None:
         """Rebuild the index from the directory (oldest mtime first)."""
