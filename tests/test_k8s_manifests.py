@@ -162,7 +162,7 @@ def test_sidecar_deployment_fits_together() -> None:
     # The disk cache stays below the emptyDir's limit (the kubelet evicts a pod above it).
     cache = volumes[next(m["name"] for m in objfs["volumeMounts"] if m["mountPath"] == "/cache")]
     size_limit = parse_size(cache["emptyDir"]["sizeLimit"].replace("i", ""), option="x")
-    assert env["OBJFS_CACHE_DIR"] == "/cache"
+    assert env["OBJFS_CACHE_DIR"].startswith("/cache/")  # not the 0777 emptyDir itself
     assert parse_size(env["OBJFS_CACHE_SIZE"], option="x") < size_limit
     assert spec["serviceAccountName"] == "objfs-model-reader"
     account = find("ServiceAccount", "objfs-model-reader")["metadata"]["annotations"]
