@@ -187,6 +187,9 @@ def parse_size(text: str, *, option: str) -> int:
             "suffix (binary units), e.g. 8M or 20GiB"
         )
     value = float(m.group(1)) * _SIZE_UNITS[m.group(2).upper()]
+    if not value < 1 << 62:  # also inf, from more digits than a float holds
+        shown = text if len(text) <= 24 else f"{text[:20]}..."
+        raise UsageError(f"{option}: {shown!r} is too large: give a size below 4000000T")
     return int(value)
 
 

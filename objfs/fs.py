@@ -497,7 +497,7 @@ class FileSystem:
         stop = min(handle.size, _ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
 
         async def fetch() -> bytes:
-            return await self.backend.read_range(handle.key, handle.etag, start, stop - start)
+            return await self._read_range(handle, start, stop - start)
 
         # Readers of the same range (other handles, other processes) share one GET.
         data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
@@ -522,10 +522,23 @@ class FileSystem:
                 await event.wait()
             data = self.cache.get_nowait(key)
         if data is None:  # budget smaller than a block, or repeated eviction: read around it
-            data = await self.backend.read_range(
-                handle.key, handle.etag, index * self.block_size, self._block_length(handle, index)
+            data = await self._read_range(
+                handle, index * self.block_size, self._block_length(handle, index)
             )
         return data
+
+    async def _read_range(self, handle: Handle, start: int, length: int) -> bytes:
+        """One GET outside the block cache, with the same stale-version handling."""
+        try:
+            return await self.backend.read_range(handle.key, handle.etag, start, length)
+        except StaleObjectError:
+            self._forget_version(handle)
+            raise
+
+    def _forget_version(self, handle: Handle) -> None:
+        """The store has a newer version: the next open must see it, not our metadata."""
+        handle.node.checked_at = -float("inf")
+        self._listings.pop(handle.node.parent, None)
 
     def _prefetch(self, handle: Handle, window: tuple[int, int], *, cancellable: bool) -> None:
         """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts."""
@@ -679,9 +692,7 @@ class FileSystem:
                     handle.key, handle.etag, start, length, self.block_size
                 )
             except StaleObjectError:
-                # The next open must see the new version: forget what we knew.
-                handle.node.checked_at = -float("inf")
-                self._listings.pop(handle.node.parent, None)
+                self._forget_version(handle)
                 raise
             for index, data in zip(run, blocks, strict=True):
                 self.cache.put(self._block_key(handle, index), data, used=False)

@@ -232,6 +232,24 @@ async def test_handle_is_pinned_to_its_etag() -> None:
     assert keep3 is True  # same version again: keep the page cache
 
 
+async def test_a_stale_random_read_makes_the_next_open_see_the_new_version() -> None:
+    """With a long metadata TTL, a random read (outside the block cache) that finds the object
+    replaced raises ESTALE and forgets the old metadata, as a block fetch does."""
+    backend = MemoryBackend()
+    old, new = os.urandom(3 * MiB), os.urandom(MiB + 5)
+    backend.put("p/w", old)
+    fs = make_fs(backend, block_size_bytes=MiB, metadata_ttl_s=3600)
+    inode = await resolve(fs, "w")
+    fh, _ = await fs.open(inode, os.O_RDONLY)
+    backend.put("p/w", new)
+    with pytest.raises(StaleObjectError):
+        await fs.read(fh, 2 * MiB + 4096, 4096)  # random: a 64 KiB GET, not a block
+    fs.release(fh)
+    fh2, _ = await fs.open(inode, os.O_RDONLY)
+    assert (await fs.getattr(inode)).size == len(new)
+    assert await fs.read(fh2, 0, 2 * MiB) == new
+
+
 async def test_a_newer_version_seen_by_stat_stops_old_handles() -> None:
     backend = MemoryBackend()
     backend.put("p/w", b"a" * 100)
