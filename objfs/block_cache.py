@@ -153,9 +153,10 @@ class BlockCache:
     def claim(self, keys: list[BlockKey]) -> list[BlockKey]:
         """Mark the keys that are neither cached nor in flight as in flight; return them."""
         mine = [k for k in keys if not self.contains(k) and k not in self._inflight]
-        event = trio.Event()
         for k in mine:
-            self._inflight[k] = event
+            # One event per block: a claim may be split (a reader takes one block of a queued
+            # read-ahead), and each block's waiters must wake when that block is done.
+            self._inflight[k] = trio.Event()
         return mine
 
     def finish(self, keys: list[BlockKey]) -> None:

@@ -508,8 +508,13 @@ class FileSystem:
         key = self._block_key(handle, index)
         event = self.cache.pending(key)
         if event is not None:
-            self._expedite(key)
-            await event.wait()
+            stolen = self._steal(key)
+            if stolen is not None:
+                # Its read-ahead has not started: fetch this block now, alone, instead of
+                # waiting for a worker and then for a whole part.
+                await self._fetch(handle, index, index + 1, demand=True, claim=stolen)
+            else:
+                await event.wait()
             data = self.cache.get_nowait(key)
             if data is not None:
                 return data
@@ -568,12 +573,16 @@ class FileSystem:
                     self._wake_workers()
             index = part_end
 
-    def _expedite(self, key: BlockKey) -> None:
-        """A reader waits for ``key``: move the queued job that will fetch it to the front."""
-        job = self._queued_job_of.get(key)
-        if job is not None and self._jobs and self._jobs[0] is not job:
-            self._jobs.remove(job)
-            self._jobs.appendleft(job)
+    def _steal(self, key: BlockKey) -> tuple[list[BlockKey], int] | None:
+        """Take ``key`` (and its reserved bytes) out of the claim of the queued read-ahead job
+        that will fetch it; None if no queued job holds it (its fetch is under way)."""
+        job = self._queued_job_of.pop(key, None)
+        if job is None or job.claim is None or key not in job.claim[0]:
+            return None
+        keys, reserved = job.claim
+        length = self._block_length(job.handle, key.block)
+        job.claim = ([k for k in keys if k != key], reserved - length)
+        return [key], length
 
     def _wake_workers(self) -> None:
         """Wake every idle read-ahead worker (they all wait on the same event)."""

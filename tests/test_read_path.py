@@ -213,6 +213,27 @@ async def test_read_ahead_uses_all_its_connections(nursery: trio.Nursery) -> Non
     assert backend.peak_concurrent == 8
 
 
+async def test_a_reader_takes_its_block_out_of_queued_read_ahead(nursery: trio.Nursery) -> None:
+    """A read of a block whose read-ahead part still waits in the queue fetches that block
+    alone at once (no waiting for a worker, then for a whole part); the part's other blocks
+    are still fetched once."""
+    backend = MemoryBackend(latency_s=0.2)
+    data = os.urandom(24 * MiB)
+    backend.put("p/m.safetensors", data)
+    # max_connections 3: one read-ahead worker, so five of the six 4 MiB parts queue. A budget
+    # whose used-block share (a quarter) holds the file: no block is evicted and read again.
+    fs = FileSystem(backend, config(s3=S3Options(max_connections=3), memory_limit_bytes=256 * MiB))
+    fs.start(nursery)
+    fh = await open_file(fs, "m.safetensors")
+    off = 21 * MiB + 5  # in the last part
+    assert await fs.read(fh, off, 4096) == data[off : off + 4096]
+    # Whole parts so far, plus one single block: the reader's own GET.
+    assert backend.statistics()["get_bytes"] % (4 * MiB) == MiB
+    assert await read_all(fs, fh, len(data)) == data
+    await settle()
+    assert backend.statistics()["get_bytes"] == len(data)  # nothing fetched twice
+
+
 async def test_concurrent_readers_of_one_block_share_one_get(nursery: trio.Nursery) -> None:
     backend = MemoryBackend(latency_s=0.05)
     data = os.urandom(8 * MiB)
