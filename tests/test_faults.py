@@ -173,6 +173,32 @@ def test_a_store_that_always_fails_gives_eio_and_the_mount_recovers(
     assert hashlib.sha256(data).hexdigest() == sha256(objects[name])
 
 
+@pytest.mark.parametrize(
+    "kind", ["reset", "truncate", "stall", "500", "503", "short_length", "wrong_range"]
+)
+def test_azure_reads_survive_every_third_request_failing(
+    azurite: Any, azure_service: Any, container: str, mount_az: Any, kind: str
+) -> None:
+    """The same faults between objfs and Azurite (503 as Azure's ServerBusy would be)."""
+    from tests.azurite import DEV_ACCOUNT
+
+    objects = _objects(4)
+    client = azure_service.get_container_client(container)
+    for name, data in objects.items():
+        client.upload_blob(name, data)
+    with Proxy(azurite.port) as proxy:
+        m: Mount = mount_az(
+            f"az://{container}", "--account-url", f"{proxy.url}/{DEV_ACCOUNT}", *FAULT_OPTIONS
+        )
+        proxy.set_faults(FaultPlan((kind,), every=3))
+        errors = _run_readers(m, objects)
+        proxy.set_faults(None)
+        TALLY["faults injected"] += proxy.injected[kind]
+        assert not errors, errors
+        assert proxy.injected[kind] > 0, f"no {kind} fault was injected"
+        assert m.proc.poll() is None
+
+
 def test_refused_connections_then_recovery(
     faulty: tuple[Mount, dict[str, bytes]], proxy: Proxy
 ) -> None:

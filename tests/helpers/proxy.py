@@ -105,7 +105,8 @@ class FaultPlan:
         )
         if self.target == "list":
             return is_list
-        return request.method == "GET" and "range" in request.headers and not is_list
+        ranged = "range" in request.headers or "x-ms-range" in request.headers  # S3, Azure
+        return request.method == "GET" and ranged and not is_list
 
 
 @dataclass
