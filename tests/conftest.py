@@ -151,6 +151,15 @@ def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) 
 
 
 @pytest.fixture
+def mnt(tmp_path: Path) -> Iterator[Path]:
+    """An empty mountpoint that must be left unmounted (for commands expected to fail)."""
+    path = tmp_path / "mnt"
+    path.mkdir()
+    yield path
+    assert mount_entry(str(path)) is None, "an error left something mounted"
+
+
+@pytest.fixture
 def mount_s3(s3_server: LocalServer, tmp_path: Path) -> Iterator[Any]:
     """``mount_s3(source, *options)`` mounts with objfs in the foreground in a child."""
     stack = contextlib.ExitStack()

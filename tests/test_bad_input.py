@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from objfs.mount import mount_entry
 from tests.conftest import Mount, put_many, run_mount, run_objfs, sha256
 from tests.helpers.serve_keys import generated_bytes
+from tests.test_cli_errors import assert_one_line_error
 
 HELPER = Path(__file__).parent / "helpers" / "serve_keys.py"
 PATH_MAX = 4096  # bytes, the Linux limit for a path handed to a system call (NUL included)
@@ -414,22 +414,7 @@ def case(args: list[str], *words: str, marks: Any = ()) -> Any:
 
 def assert_usage_error(res: subprocess.CompletedProcess[str], *words: str) -> None:
     """Exit 2, nothing on stdout, one ``objfs: error:`` line naming what is wrong."""
-    assert res.returncode == 2, (res.returncode, res.stderr)
-    assert res.stdout == ""
-    assert "Traceback" not in res.stderr
-    lines = res.stderr.splitlines()
-    assert len(lines) == 1, res.stderr
-    assert lines[0].startswith("objfs: error: "), lines[0]
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-
-
-@pytest.fixture
-def mnt(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "mnt"
-    path.mkdir()
-    yield path
-    assert mount_entry(str(path)) is None, "an error left something mounted"
+    assert_one_line_error(res, 2, *words)
 
 
 @pytest.mark.parametrize(

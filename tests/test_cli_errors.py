@@ -17,7 +17,6 @@ import pytest
 
 from objfs.demo import LocalServer, free_port, s3_client, start_moto_server
 from objfs.errors import EXIT_CODES
-from objfs.mount import mount_entry
 from tests.conftest import run_objfs
 
 SECRET = "s3cr3t-Value-That-Must-Not-Leak"
@@ -36,14 +35,6 @@ def assert_one_line_error(res: subprocess.CompletedProcess[str], code: int, *wor
     assert "Traceback" not in res.stderr
     for word in words:
         assert word in lines[0], (word, lines[0])
-
-
-@pytest.fixture
-def mnt(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "mnt"
-    path.mkdir()
-    yield path
-    assert mount_entry(str(path)) is None, "an error left something mounted"
 
 
 @pytest.fixture

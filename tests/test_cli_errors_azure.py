@@ -5,27 +5,17 @@ from __future__ import annotations
 
 import datetime as _dt
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from objfs.demo import free_port
-from objfs.mount import mount_entry
 from tests.azurite import DEV_ACCOUNT, DEV_KEY
 from tests.test_cli_errors import SECRET, assert_one_line_error, objfs
 
 # A well-formed account key that is not the emulator's.
 WRONG_KEY = "V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3JvbmdLZXlXcm9uZ0tleVdyb25nS2V5V3Jvbmc="
-
-
-@pytest.fixture
-def mnt(tmp_path: Path) -> Iterator[Path]:
-    path = tmp_path / "mnt"
-    path.mkdir()
-    yield path
-    assert mount_entry(str(path)) is None, "an error left something mounted"
 
 
 def env_with(**values: str) -> dict[str, str]:

@@ -343,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{WARM_METADATA_LIMIT})"
                 )
             trc_local = e2e.vllm(
-                Run("trust_remote_code, local disk", "local"), trc, trust_remote_code=True
+                Run("trust_remote_code, local disk (first start)", "local"),
+                trc,
+                trust_remote_code=True,
             )
             trc_cold = e2e.vllm(
                 Run("trust_remote_code, mount, cold", "mount"), mnt / "trc", trust_remote_code=True
@@ -351,8 +353,13 @@ def main(argv: list[str] | None = None) -> int:
             trc_warm = e2e.vllm(
                 Run("trust_remote_code, mount, warm", "mount"), mnt / "trc", trust_remote_code=True
             )
+            drop_page_cache()
+            trc_again = e2e.vllm(
+                Run("trust_remote_code, local disk", "local"), trc, trust_remote_code=True
+            )
             e2e.same(trc_cold, trc_local)
             e2e.same(trc_warm, trc_local)
+            e2e.same(trc_again, trc_local)
             for strategy in ("prefetch", "eager"):
                 run = e2e.vllm(
                     Run(f"plain, mount, --safetensors-load-strategy {strategy}", "mount"),
