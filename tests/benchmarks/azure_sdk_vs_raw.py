@@ -24,23 +24,22 @@ Methods:
 Everything runs on 127.0.0.1: on a two-core machine Azurite (one Node.js thread) and the client
 share the CPUs, so absolute numbers are low and noisy; compare methods within one run.
 
-Measured on the 2-core development machine (three runs of 9 rounds, 256 MiB, 8 MiB ranges;
-the spread is run-to-run noise of a shared machine):
+Measured on the 2-core development machine, 2026-11-30 (four runs of 7-9 rounds, 256 MiB,
+8 MiB ranges; the spread is run-to-run noise of a shared machine where Azurite and the client
+share the CPUs):
 
 | method | 1 thread | 8 threads | client CPU per MiB |
 |---|---|---|---|
-| raw http.client | 689-996 MB/s | 1071-1221 MB/s | 0.27-0.42 ms |
-| SDK defaults | 0.57-0.79x raw | 0.60-0.67x raw | 0.77-1.28 ms |
-| objfs read_range | 0.74-0.85x raw | 0.79-1.04x raw | 0.44-0.65 ms |
-| objfs read_blocks (1 MiB) | 0.65-0.80x raw | 0.75-0.96x raw | 0.58-0.82 ms |
+| raw http.client | 1168-1712 MB/s | 458-1099 MB/s | 0.26-0.38 ms |
+| SDK defaults | 0.40-0.51x raw | 0.71-0.82x raw | 0.91-1.80 ms |
+| objfs read_range | 0.75-1.02x raw | 1.03-1.13x raw | 0.34-0.38 ms |
+| objfs read_blocks (1 MiB, what the mount uses) | 0.68-0.90x raw | 1.08-1.24x raw | 0.31-0.41 ms |
 
-What the tuning removed: the SDK's split of a range into a 32 MiB first GET plus 4 MiB GETs,
-its 256 KiB socket reads joined into the result (a copy into a fresh buffer: 56-223 page
-faults per MiB above, 0 now), content decoding, and per-request environment lookups by
-requests. What remains is per-request CPU in the SDK's pipeline: about 1.3 ms a
-request (0.3 ms of it Shared Key signing) against 0.2 ms for raw http.client. Against a loopback
-server that answers in microseconds this shows in the single-stream figure; over a real network,
-where an 8 MiB GET takes tens of milliseconds, it is a few percent.
+objfs's data path no longer goes through the SDK: it signs each ranged GET itself (SAS, Shared
+Key or bearer token) and sends it on the SDK's pooled session through urllib3 directly, reading
+the body straight into the returned blocks. Its CPU per MiB is now that of raw http.client
+(before: 0.44-0.82 ms, with the SDK's pipeline costing about 1.3 ms a request). With one stream
+the remaining gap is within this machine's noise; with 8 streams objfs is at or above raw.
 
 This is a script, not a test: pytest does not collect it.
 """
