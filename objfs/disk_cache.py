@@ -39,6 +39,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Iterator
 
 import google_crc32c
 
@@ -62,6 +63,8 @@ _RESCAN_EVERY_WRITES = 512
 # A hit updates its file's mtime (the LRU clock shared with other processes and restarts) only
 # when the mtime is older than this.
 _TOUCH_AFTER_S = 60.0
+# Aligned O_DIRECT buffers kept for reuse (as many as disk operations usually run at once).
+_POOLED_BUFFERS = 4
 
 
 class DiskCache:
@@ -87,7 +90,7 @@ class DiskCache:
         self._total = 0
         self._writes_since_scan = 0
         self._direct = hasattr(os, "O_DIRECT")
-        self._local = threading.local()
+        self._buffers: list[mmap.mmap] = []  # see _aligned_buffer
         self.hits = 0
         self.misses = 0
         self.writes = 0
@@ -111,6 +114,9 @@ class DiskCache:
             os.makedirs(directory, mode=0o700, exist_ok=True)
             os.chmod(directory, 0o700)  # whatever the umask
         self._check_private(directory, directory)
+        # From here on the directory that was checked, not a path whose links could change.
+        directory = os.path.realpath(directory)
+        self.root = os.path.join(directory, _FORMAT)
         old = os.path.join(directory, "v1")
         if os.path.isdir(old) and not os.path.islink(old):
             log.info("disk cache: removing %s (an older cache format)", old)
@@ -199,7 +205,16 @@ class DiskCache:
             self._disable(f"reading {path} failed: {exc.strerror}")
             return None
         try:
-            header, data = self._read_file(fd, direct, expected_length)
+            try:
+                header, data = self._read_file(fd, direct, expected_length)
+            except OSError as exc:
+                if not direct or exc.errno != errno.EINVAL:
+                    raise
+                # O_DIRECT accepted at open but not for the read: read buffered from now on.
+                self._direct = False
+                os.lseek(fd, 0, os.SEEK_SET)
+                fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_DIRECT)
+                header, data = self._read_file(fd, False, expected_length)
             st = os.fstat(fd)
             now = time.time()
             if now - st.st_mtime > _TOUCH_AFTER_S:
@@ -245,14 +260,15 @@ class DiskCache:
             # One read by DMA into an aligned buffer: the block's pages never enter the page
             # cache (the kernel caches what objfs serves, under the mount's own inode).
             total = _DATA_OFFSET + _round_up(expected_length, _PAGE)
-            buf = self._aligned_buffer(total)
-            n = os.readv(fd, [memoryview(buf)[:total]])
-            header = buf[: min(n, _DATA_OFFSET)]
-            data = (
-                buf[_DATA_OFFSET : min(n, _DATA_OFFSET + expected_length)]
-                if n > _DATA_OFFSET
-                else b""
-            )
+            with self._aligned_buffer(total) as buf:
+                n = os.readv(fd, [memoryview(buf)[:total]])
+                # Slices of an mmap are copies: nothing returned aliases the pooled buffer.
+                header = buf[: min(n, _DATA_OFFSET)]
+                data = (
+                    buf[_DATA_OFFSET : min(n, _DATA_OFFSET + expected_length)]
+                    if n > _DATA_OFFSET
+                    else b""
+                )
             return header, data
         # Two reads, so the block is not copied out of a bigger buffer.
         return os.read(fd, _DATA_OFFSET), os.read(fd, expected_length)
@@ -309,10 +325,6 @@ class DiskCache:
         """Write header and block to a new file ``tmp``; return the file's size."""
         if self._direct:
             total = _DATA_OFFSET + _round_up(len(data), _PAGE)
-            buf = self._aligned_buffer(total)
-            buf[: len(header)] = header
-            buf[_DATA_OFFSET : _DATA_OFFSET + len(data)] = data
-            buf[_DATA_OFFSET + len(data) : total] = bytes(total - _DATA_OFFSET - len(data))
             try:
                 fd = self._create(tmp, os.O_DIRECT)
             except OSError as exc:
@@ -320,14 +332,18 @@ class DiskCache:
                     raise
                 fd = -1  # this file system has no O_DIRECT (tmpfs)
             if fd >= 0:
-                try:
-                    written = os.write(fd, memoryview(buf)[:total])
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    written = -1
-                finally:
-                    os.close(fd)
+                with self._aligned_buffer(total) as buf:
+                    buf[:_DATA_OFFSET] = header + bytes(_DATA_OFFSET - len(header))
+                    buf[_DATA_OFFSET : _DATA_OFFSET + len(data)] = data
+                    buf[_DATA_OFFSET + len(data) : total] = bytes(total - _DATA_OFFSET - len(data))
+                    try:
+                        written = os.write(fd, memoryview(buf)[:total])
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        written = -1
+                    finally:
+                        os.close(fd)
                 if written == total:
                     return total
                 if written >= 0:  # a short write: the disk is full
@@ -344,13 +360,21 @@ class DiskCache:
             os.close(fd)
         return total
 
-    def _aligned_buffer(self, size: int) -> mmap.mmap:
-        """This thread's page-aligned buffer (anonymous mmap) of at least ``size`` bytes."""
-        buf: mmap.mmap | None = getattr(self._local, "buf", None)
+    @contextlib.contextmanager
+    def _aligned_buffer(self, size: int) -> Iterator[mmap.mmap]:
+        """A page-aligned buffer (anonymous mmap) of at least ``size`` bytes, from a small
+        pool: the threads doing disk I/O are shared with the store's GETs, so a buffer per
+        thread would add up outside the memory budget."""
+        with self._lock:
+            buf = self._buffers.pop() if self._buffers else None
         if buf is None or len(buf) < size:
             buf = mmap.mmap(-1, max(size, _DATA_OFFSET + _round_up(self.block_size, _PAGE)))
-            self._local.buf = buf
-        return buf
+        try:
+            yield buf
+        finally:
+            with self._lock:
+                if len(self._buffers) < _POOLED_BUFFERS:
+                    self._buffers.append(buf)
 
     def _create(self, tmp: str, extra_flags: int) -> int:
         flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | extra_flags

@@ -33,7 +33,7 @@ import time
 from collections.abc import Mapping
 from types import FrameType
 
-from objfs.errors import MountLostError, UsageError
+from objfs.errors import MountLostError, NotMountedError, UsageError
 from objfs.mount import mount_entry, setup_logging, unmount
 
 log = logging.getLogger("objfs.sidecar")
@@ -142,8 +142,13 @@ def clear_dead_mount(mountpoint: str) -> bool:
         return False
     if _probe_errno(mountpoint, _STALE_CHECK_S) != errno.ENOTCONN:
         return False
+    if mount_entry(mountpoint) != entry:  # another process dealt with it meanwhile
+        return False
     log.warning("detaching a dead %s mount left on %s by a previous run", entry[0], mountpoint)
-    unmount(mountpoint, force=True)
+    try:
+        unmount(mountpoint, force=True)
+    except NotMountedError:
+        return False  # gone already
     return True
 
 

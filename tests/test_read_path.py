@@ -478,3 +478,24 @@ def test_disk_cache_falls_back_to_buffered_io_without_o_direct(
     assert reader.read(BlockKey("k", "e", 0), 3000) == b"abc" * 1000
     assert not reader._direct
     assert len(refused) == 2
+
+
+def test_disk_cache_reads_buffered_when_o_direct_reads_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that accepts O_DIRECT at open but refuses the read (EINVAL): the block
+    is read buffered, the tier stays on, and later reads skip O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    cache = disk_cache(tmp_path / "c")
+    blob = os.urandom(MiB)
+    cache.write(BlockKey("k", "e", 0), blob)
+
+    def refuse(fd: int, buffers: object) -> int:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "readv", refuse)
+    assert cache.read(BlockKey("k", "e", 0), MiB) == blob
+    assert cache.enabled
+    assert not cache._direct
+    assert cache.read(BlockKey("k", "e", 0), MiB) == blob

@@ -408,7 +408,13 @@ class _Signer:
         with self._lock:
             token = self._token
             if token is None or token.expires_on - time.time() < 300:
-                token = self._token = self._credential.get_token(_TOKEN_SCOPE)
+                try:
+                    token = self._token = self._credential.get_token(_TOKEN_SCOPE)
+                except Exception:
+                    # A hiccup of the identity endpoint: a token that is still valid serves on.
+                    if token is None or token.expires_on - time.time() < 30:
+                        raise
+                    log.warning("refreshing the Azure token failed; using the current one")
             return str(token.token)
 
 
@@ -740,7 +746,7 @@ class AzureBackend(Backend):
         Straight through urllib3 (the pool requests itself uses): requests' per-request work
         (settings merge, hooks, cookies, response wrapping) costs as much CPU as the signing
         and parsing together. With a proxy from the environment, requests' adapter is used."""
-        if self._session.proxies:
+        if self._session.proxies.get("http") or self._session.proxies.get("https"):
             r = self._session.get(url, headers=headers, stream=True, timeout=timeout)
             raw: urllib3.BaseHTTPResponse = r.raw
             return raw
