@@ -74,7 +74,9 @@ class BlockCache:
                 return None
             self._used[key] = data
             self._used_bytes += len(data)
-            self._trim_used()
+            # Over the used cap: drop the least recently used (never the block just read).
+            while self._used_bytes > self.used_limit_bytes and len(self._used) > 1:
+                self._evict_one(demand=False)
             self._wake()  # a consumed block is evictable by prefetches now
         self.hits += 1
         return data
@@ -100,13 +102,6 @@ class BlockCache:
         self._space = trio.Event()
         if self.on_space is not None:
             self.on_space()
-
-    def _trim_used(self) -> None:
-        while self._used_bytes > self.used_limit_bytes and len(self._used) > 1:
-            _, data = self._used.popitem(last=False)
-            self._used_bytes -= len(data)
-            self._cached_bytes -= len(data)
-            self.evictions += 1
 
     def _evict_one(self, *, demand: bool) -> bool:
         if self._used:
@@ -166,8 +161,9 @@ class BlockCache:
             event.set()
         self._wake()  # the blocks it cached are evictable by readers' own fetches
 
-    def put(self, key: BlockKey, data: bytes, *, used: bool) -> None:
-        """Insert a block whose bytes were reserved: they move from reserved to cached."""
+    def put(self, key: BlockKey, data: bytes) -> None:
+        """Insert a fetched block (fresh, not read yet) whose bytes were reserved: they move
+        from reserved to cached."""
         old = self._used.pop(key, None)
         if old is not None:
             self._used_bytes -= len(old)
@@ -175,13 +171,10 @@ class BlockCache:
         old = self._fresh.pop(key, None)
         if old is not None:
             self._cached_bytes -= len(old)
-        (self._used if used else self._fresh)[key] = data
+        self._fresh[key] = data
         self._cached_bytes += len(data)
         self._reserved_bytes -= len(data)
         self.inserts += 1
-        if used:
-            self._used_bytes += len(data)
-            self._trim_used()
 
     def statistics(self) -> dict[str, int]:
         return {

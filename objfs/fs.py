@@ -690,7 +690,7 @@ class FileSystem:
                 self._disk_read_many, handle, missing, limiter=self._disk_limiter
             )
             for index, data in found.items():
-                self.cache.put(self._block_key(handle, index), data, used=False)
+                self.cache.put(self._block_key(handle, index), data)
                 stored += len(data)
             missing = [i for i in missing if i not in found]
         for run in _runs(missing):
@@ -704,7 +704,7 @@ class FileSystem:
                 self._forget_version(handle)
                 raise
             for index, data in zip(run, blocks, strict=True):
-                self.cache.put(self._block_key(handle, index), data, used=False)
+                self.cache.put(self._block_key(handle, index), data)
                 stored += len(data)
             self._write_to_disk(handle, list(zip(run, blocks, strict=True)))
         return stored
