@@ -8,19 +8,17 @@ import os
 import re
 import subprocess
 import sys
-import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
 
 from objfs.backends.memory import SyntheticData
 from objfs.mount import _mount_devnum
 from tests.conftest import Mount, mount_command, put_many, run_mount, sha256
 from tests.helpers.proxy import Proxy
+from tests.helpers.rss import PeakRss
 
 MiB = 1024 * 1024
 
@@ -135,33 +133,18 @@ def test_daemon_rss_stays_within_budget_with_8_streams(tmp_path: Path) -> None:
         "    while chunk := f.read(4 << 20): h.update(chunk)\n"
         "print(h.hexdigest())"
     )
-    with run_mount(cmd, mountpoint, tmp_path / "daemon.log") as m:
-        daemon = psutil.Process(m.proc.pid)
-        peak = [daemon.memory_info().rss]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], daemon.memory_info().rss)
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            procs = [
-                subprocess.Popen(
-                    [sys.executable, "-c", reader, str(m.path / n)], stdout=subprocess.PIPE
-                )
-                for n in names
-            ]
-            digests = [p.communicate(timeout=600)[0].decode().strip() for p in procs]
-        finally:
-            done.set()
-            sampler.join()
+    with run_mount(cmd, mountpoint, tmp_path / "daemon.log") as m, PeakRss(m.proc.pid) as rss:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", reader, str(m.path / n)], stdout=subprocess.PIPE
+            )
+            for n in names
+        ]
+        digests = [p.communicate(timeout=600)[0].decode().strip() for p in procs]
     with ThreadPoolExecutor(2) as pool:
         expected = list(pool.map(lambda n: synthetic_sha256(n, 1 << 30), names))
     assert digests == expected
-    assert peak[0] <= budget + 150 * MiB, f"peak RSS {peak[0] / MiB:.0f} MiB"
+    assert rss.peak <= budget + 150 * MiB, f"peak RSS {rss.peak / MiB:.0f} MiB"
 
 
 def synthetic_sha256(name: str, size: int) -> str:

@@ -10,19 +10,17 @@ import os
 import random
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from objfs.demo import LocalServer
 from tests.conftest import mount_command, put_many, run_mount
 from tests.helpers.deploy import objfs, wait_for
 from tests.helpers.load_reader import expected_sha256, plan
+from tests.helpers.rss import PeakRss
 
 MiB = 1024 * 1024
 HELPERS = Path(__file__).parent / "helpers"
@@ -53,37 +51,22 @@ def test_32_concurrent_readers_get_every_byte_within_the_memory_budget(
         "--memory-limit",
         str(budget),
     ]
-    with run_mount(cmd, mountpoint, tmp_path / "daemon.log") as m:
-        daemon = psutil.Process(m.proc.pid)
-        peak = [daemon.memory_info().rss]
-        done = threading.Event()
-
-        def sample() -> None:
-            while not done.is_set():
-                peak[0] = max(peak[0], daemon.memory_info().rss)
-                time.sleep(0.05)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        try:
-            procs = [
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        str(HELPERS / "load_reader.py"),
-                        str(m.path),
-                        str(p),
-                        str(THREADS),
-                        *(f"{name}={size}" for name, size in sizes.items()),
-                    ],
-                    stdout=subprocess.PIPE,
-                )
-                for p in range(PROCESSES)
-            ]
-            outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
-        finally:
-            done.set()
-            sampler.join()
+    with run_mount(cmd, mountpoint, tmp_path / "daemon.log") as m, PeakRss(m.proc.pid) as rss:
+        procs = [
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(HELPERS / "load_reader.py"),
+                    str(m.path),
+                    str(p),
+                    str(THREADS),
+                    *(f"{name}={size}" for name, size in sizes.items()),
+                ],
+                stdout=subprocess.PIPE,
+            )
+            for p in range(PROCESSES)
+        ]
+        outputs = [p.communicate(timeout=300)[0].decode() for p in procs]
         assert [p.returncode for p in procs] == [0] * PROCESSES
     results = [json.loads(line) for out in outputs for line in out.splitlines()]
     assert sorted(r["worker"] for r in results) == list(range(PROCESSES * THREADS))
@@ -112,9 +95,9 @@ def test_32_concurrent_readers_get_every_byte_within_the_memory_budget(
     print(
         f"\nreads checked {checked_reads} ({sum(r['reads'] for r in random_reads)} random), "
         f"bytes checked {checked_bytes} ({checked_bytes / MiB:.0f} MiB); "
-        f"peak RSS {peak[0] / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB + 150 MiB"
+        f"peak RSS {rss.peak / MiB:.0f} MiB, budget {budget / MiB:.0f} MiB + 150 MiB"
     )
-    assert peak[0] <= budget + 150 * MiB, f"peak RSS {peak[0] / MiB:.0f} MiB"
+    assert rss.peak <= budget + 150 * MiB, f"peak RSS {rss.peak / MiB:.0f} MiB"
 
 
 def _counts(pid: int) -> tuple[int, int]:
