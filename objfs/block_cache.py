@@ -1,34 +1,51 @@
-"""Memory tier of fixed-size blocks keyed by object version, under a global byte budget.
+"""Memory tier of fixed-size blocks keyed by object version, under one byte budget.
 
-Concurrency invariants (trio, one thread):
+Ownership, in one sentence: **every byte in the budget belongs either to a Reservation (a
+fetch in flight) or to a cached Block, and only a Reservation's or a Block's own methods move
+bytes into or out of the one counter** (``_charged``: reserved plus cached bytes).
 
-* The LRU, the in-flight table and the budget are touched only from the trio thread;
-  backends and the disk tier run their blocking work in worker threads and hand back bytes,
-  so no locking is needed.
-* A fetch first *claims* the blocks it will fill (``claim``): later readers of a claimed block
-  wait on its event instead of sending another GET, across handles and processes. The
-  fetcher always ``finish``-es its claim (in ``finally``), so waiters wake on failure and on
-  cancellation too; a waiter that then finds no block fetches it itself.
-* The budget counts cached blocks plus reserved (in-flight) bytes. Blocks that were
-  prefetched but not read yet are *fresh*; blocks read at least once are *used*. A prefetch
-  may evict only used blocks (least recently used first) and otherwise waits until a reader
-  consumes a block or a fetch finishes: that wait is the backpressure that keeps the daemon
-  inside ``--memory-limit`` without prefetches evicting each other's unread data. A reader's
-  own fetch (demand) may evict fresh blocks too, newest first (the furthest ahead of its
-  reader), so it never waits on read-ahead.
+* A fetch reserves bytes first (``reserve``/``try_reserve`` return a :class:`Reservation`),
+  then claims the blocks it will fill. ``put`` moves one block's bytes from the reservation to
+  the cache; ``Reservation.release`` gives back what was not used, once (a second call gives
+  back nothing). So a fetch that fails halfway, after some blocks were cached, returns exactly
+  the bytes it still holds, and the counter can neither drift nor go negative.
+* Blocks are *fresh* (fetched, not read to their end), or *used* (read to their end, or
+  orphaned). A prefetch may evict only used blocks (least recently used first) and otherwise
+  waits: that wait is the backpressure that keeps the daemon inside ``--memory-limit`` without
+  prefetches evicting each other's unread data, and a block a reader has read only half of is
+  still fresh, so read-ahead never evicts it. A reader's own fetch (demand) may evict fresh
+  blocks too, newest first (the furthest ahead of its reader), so it never waits on read-ahead.
+* Fresh blocks belong to the open handles of their object version (``open_version`` /
+  ``close_version`` count them). When the last handle of a version closes, its fresh blocks
+  become *orphans*, and so does any block of that version that a fetch still in flight brings
+  in later. Orphans are evicted before anything else (oldest first) by any fetch, so a block
+  nobody will read never blocks read-ahead; until then a reopen of the version finds them
+  (loaders open a shard for its header, close it, and open it again for its data).
+* Used blocks are also capped on their own (``used_limit_bytes``): the kernel's page cache
+  holds what a reader got (objfs opens files with ``keep_cache``), so a used block is mostly a
+  second copy.
 
-Used blocks are also capped on their own (``used_limit_bytes``): the kernel's page cache holds
-what a reader got (objfs opens files with ``keep_cache``), so a used block is mostly a second
-copy, and keeping few of them lets the allocator reuse their memory instead of faulting in
-fresh pages for every block.
+Buffers: a block's bytes live in a page-aligned buffer from :class:`BufferPool`, filled in
+place by the backend (a socket ``recv_into``) or the disk tier, written to disk from the same
+buffer and handed to the kernel as a memoryview: no copy in user space. A buffer goes back to
+the pool when its block has left the cache *and* nobody pins it (``Block.pin``: the disk
+writer does, while it writes); a reader's memoryview is safe without a pin because it is
+handed to the kernel before the trio thread runs anything else.
 
-Blocks are keyed by (key, ETag, block number): a new object version never meets an old block,
-so the cache never needs invalidation.
+Concurrency invariants (trio, one thread): the LRU, the in-flight table and the budget are
+touched only from the trio thread. A fetch first *claims* the blocks it will fill (``claim``):
+later readers of a claimed block wait on its event instead of sending another GET. The fetcher
+always ``finish``-es its claim (in ``finally``), so waiters wake on failure and cancellation
+too; a waiter that then finds no block fetches it itself. Blocks are keyed by (key, ETag, block
+number): a new object version never meets an old block, so nothing needs invalidation.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import contextlib
+import mmap
+import threading
+from collections import Counter, OrderedDict
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -41,48 +58,213 @@ class BlockKey(NamedTuple):
     block: int  # block number: the block starts at block * block_size
 
 
-class BlockCache:
-    """Fresh and used blocks plus the in-flight table, bounded together by ``capacity_bytes``."""
+class BufferPool:
+    """Page-aligned buffers of ``buffer_size`` bytes (anonymous mmaps), reused.
 
-    def __init__(self, capacity_bytes: int, used_limit_bytes: int | None = None) -> None:
+    A fresh buffer costs page faults and zeroing of every page on first touch (a tenth of
+    the daemon's CPU in the profile of a cold load); a reused one costs nothing. At most
+    ``max_free`` buffers wait in the pool; more are unmapped. Thread-safe (the disk writer
+    releases buffers from worker threads).
+    """
+
+    def __init__(self, buffer_size: int, max_free: int) -> None:
+        self.buffer_size = buffer_size
+        self.max_free = max_free
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()
+        self.allocated = 0  # buffers mapped now (in use or free)
+
+    def acquire(self) -> mmap.mmap:
+        with self._lock:
+            if self._free:
+                return self._free.pop()
+            self.allocated += 1
+        return mmap.mmap(-1, self.buffer_size)
+
+    def release(self, buf: mmap.mmap) -> None:
+        with self._lock:
+            if len(self._free) < self.max_free:
+                self._free.append(buf)
+                return
+            self.allocated -= 1
+        # BufferError: a memoryview still refers to it; the mapping goes when that view does.
+        with contextlib.suppress(BufferError):
+            buf.close()
+
+    def statistics(self) -> dict[str, int]:
+        return {"buffers_allocated": self.allocated, "buffers_free": len(self._free)}
+
+
+class Block:
+    """One cached block: ``view`` (its bytes) over a pooled buffer."""
+
+    __slots__ = ("_cache", "buffer", "cached", "pins", "view")
+
+    def __init__(self, cache: BlockCache, buffer: mmap.mmap, length: int) -> None:
+        self._cache = cache
+        self.buffer = buffer
+        self.view = memoryview(buffer)[:length]
+        self.pins = 0  # holders that need the bytes beyond the current trio step
+        self.cached = False  # in the LRU now
+
+    def __len__(self) -> int:
+        return len(self.view)
+
+    def pin(self) -> None:
+        self.pins += 1
+
+    def unpin(self) -> None:
+        """Drop a pin (from any thread only through trio's run_sync_soon; see fs)."""
+        self.pins -= 1
+        self._maybe_free()
+
+    def _maybe_free(self) -> None:
+        if self.pins == 0 and not self.cached and self.buffer is not None:
+            self.view.release()
+            self._cache.pool.release(self.buffer)
+            self.buffer = None  # type: ignore[assignment]
+
+    def discard(self) -> None:
+        """A block that never entered the cache (its fetch failed): free its buffer."""
+        self._maybe_free()
+
+
+class Reservation:
+    """Bytes of the budget held by one fetch. ``put`` spends them on blocks; ``release``
+    gives back what is left, exactly once."""
+
+    __slots__ = ("_cache", "remaining")
+
+    def __init__(self, cache: BlockCache, nbytes: int) -> None:
+        self._cache = cache
+        self.remaining = nbytes
+
+    def spend(self, nbytes: int) -> None:
+        if nbytes > self.remaining:
+            raise AssertionError(f"spending {nbytes} bytes of a {self.remaining}-byte reservation")
+        self.remaining -= nbytes  # stays charged: now as a cached block
+
+    def split(self, nbytes: int) -> Reservation:
+        """Move ``nbytes`` into a new reservation (a reader takes a block out of a job)."""
+        self.spend(nbytes)
+        return Reservation(self._cache, nbytes)
+
+    def give_back(self, nbytes: int) -> None:
+        """Return ``nbytes`` of what is left to the budget."""
+        if nbytes > self.remaining:
+            raise AssertionError(f"giving back {nbytes} bytes of {self.remaining} reserved")
+        if nbytes:
+            self.remaining -= nbytes
+            self._cache._charge(-nbytes)
+
+    def release(self) -> None:
+        """Return everything left (a second call returns nothing)."""
+        self.give_back(self.remaining)
+
+
+class BlockCache:
+    """Fresh and used blocks plus reservations, bounded together by ``capacity_bytes``."""
+
+    def __init__(
+        self,
+        capacity_bytes: int,
+        used_limit_bytes: int | None = None,
+        *,
+        block_size: int = 1 << 20,
+        pool_free_buffers: int = 16,
+    ) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_limit_bytes = capacity_bytes if used_limit_bytes is None else used_limit_bytes
-        self._used: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self.block_size = block_size
+        self.pool = BufferPool(block_size, pool_free_buffers)
+        self._used: OrderedDict[BlockKey, Block] = OrderedDict()
         self._used_bytes = 0
-        self._fresh: OrderedDict[BlockKey, bytes] = OrderedDict()
+        self._fresh: OrderedDict[BlockKey, Block] = OrderedDict()
+        self._orphans: OrderedDict[BlockKey, Block] = OrderedDict()
+        self._charged = 0  # THE counter: reserved + cached bytes
         self._cached_bytes = 0
-        self._reserved_bytes = 0  # claimed by fetches in flight
         self._inflight: dict[BlockKey, trio.Event] = {}
+        self._open_versions: Counter[tuple[str, str]] = Counter()
         self._space = trio.Event()  # set (and replaced) whenever bytes are released
         # Called whenever memory may have become available (set by the read-ahead queue).
         self.on_space: Callable[[], None] | None = None
         self.hits = 0
         self.inserts = 0
         self.evictions = 0
+        self.orphaned = 0  # fresh blocks whose last handle closed before they were read
         self.peak_bytes = 0
+
+    # -- the budget ------------------------------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._charged
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._charged - self._cached_bytes
+
+    def _charge(self, delta: int, *, wake: bool = True) -> None:
+        """The one place the budget changes."""
+        self._charged += delta
+        if delta > 0:
+            self.peak_bytes = max(self.peak_bytes, self._charged)
+        elif wake:
+            self._wake()
+
+    def _wake(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
+        if self.on_space is not None:
+            self.on_space()
+
+    def try_reserve(self, nbytes: int, *, demand: bool) -> Reservation | None:
+        """Reserve ``nbytes`` now, evicting blocks if needed; None if it cannot."""
+        while self._charged + nbytes > self.capacity_bytes:
+            if not self._evict_one(demand=demand):
+                return None
+        self._charge(nbytes)
+        return Reservation(self, nbytes)
+
+    async def reserve(self, nbytes: int, *, demand: bool) -> Reservation:
+        """Reserve ``nbytes``, waiting while the budget is full.
+
+        A demand request that cannot fit while nothing else is reserved is let through, so a
+        budget smaller than one fetch slows objfs down but never deadlocks it.
+        """
+        while True:
+            reservation = self.try_reserve(nbytes, demand=demand)
+            if reservation is not None:
+                return reservation
+            if demand and self.reserved_bytes == 0:
+                self._charge(nbytes)
+                return Reservation(self, nbytes)
+            await self._space.wait()
 
     # -- lookups ---------------------------------------------------------------------------
 
-    def get_nowait(self, key: BlockKey) -> bytes | None:
-        """Return a cached block (marking it used and recent), or None."""
-        data = self._used.get(key)
-        if data is not None:
+    def get_nowait(self, key: BlockKey, *, to_end: bool = True) -> memoryview | None:
+        """Return a cached block's bytes, or None. ``to_end``: the read reaches the block's
+        last byte, so the block is used (evictable) now; otherwise it stays fresh."""
+        block = self._used.get(key)
+        if block is not None:
             self._used.move_to_end(key)
         else:
-            data = self._fresh.pop(key, None)
-            if data is None:
-                return None
-            self._used[key] = data
-            self._used_bytes += len(data)
-            # Over the used cap: drop the least recently used (never the block just read).
-            while self._used_bytes > self.used_limit_bytes and len(self._used) > 1:
-                self._evict_one(demand=False)
-            self._wake()  # a consumed block is evictable by prefetches now
+            block = self._fresh.get(key)
+            if block is None:
+                block = self._orphans.pop(key, None)
+                if block is None:
+                    return None
+                self._fresh[key] = block  # its version is open again
+            if to_end:
+                del self._fresh[key]
+                self._insert_used(key, block)
+                self._wake()  # a consumed block is evictable by prefetches now
         self.hits += 1
-        return data
+        return block.view
 
     def contains(self, key: BlockKey) -> bool:
-        return key in self._used or key in self._fresh
+        return key in self._used or key in self._fresh or key in self._orphans
 
     def pending(self, key: BlockKey) -> trio.Event | None:
         """The event of a fetch in flight for ``key``, if any."""
@@ -91,56 +273,23 @@ class BlockCache:
     def is_cached_or_pending(self, key: BlockKey) -> bool:
         return self.contains(key) or key in self._inflight
 
-    # -- budget ----------------------------------------------------------------------------
+    # -- versions and their handles --------------------------------------------------------
 
-    @property
-    def used_bytes(self) -> int:
-        return self._cached_bytes + self._reserved_bytes
+    def open_version(self, key: str, etag: str) -> None:
+        self._open_versions[(key, etag)] += 1
 
-    def _wake(self) -> None:
-        self._space.set()
-        self._space = trio.Event()
-        if self.on_space is not None:
-            self.on_space()
-
-    def _evict_one(self, *, demand: bool) -> bool:
-        if self._used:
-            _, data = self._used.popitem(last=False)
-            self._used_bytes -= len(data)
-        elif demand and self._fresh:
-            # The newest unread block is the furthest ahead of its reader: the cheapest loss.
-            _, data = self._fresh.popitem(last=True)
-        else:
-            return False
-        self._cached_bytes -= len(data)
-        self.evictions += 1
-        return True
-
-    def try_reserve(self, nbytes: int, *, demand: bool) -> bool:
-        """Reserve ``nbytes`` now, evicting blocks if needed; False if it cannot."""
-        while self.used_bytes + nbytes > self.capacity_bytes:
-            if not self._evict_one(demand=demand):
-                return False
-        self._reserved_bytes += nbytes
-        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-        return True
-
-    async def reserve(self, nbytes: int, *, demand: bool) -> None:
-        """Reserve ``nbytes``, waiting while the budget is full.
-
-        A demand request that cannot fit while nothing else is reserved is let through, so a
-        budget smaller than one fetch slows objfs down but never deadlocks it.
-        """
-        while not self.try_reserve(nbytes, demand=demand):
-            if demand and self._reserved_bytes == 0:
-                self._reserved_bytes += nbytes
-                self.peak_bytes = max(self.peak_bytes, self.used_bytes)
-                return
-            await self._space.wait()
-
-    def unreserve(self, nbytes: int) -> None:
-        if nbytes:
-            self._reserved_bytes -= nbytes
+    def close_version(self, key: str, etag: str) -> None:
+        """A handle closed; after the version's last one, its unread blocks go first."""
+        version = (key, etag)
+        self._open_versions[version] -= 1
+        if self._open_versions[version] > 0:
+            return
+        del self._open_versions[version]
+        orphans = [k for k in self._fresh if (k.key, k.etag) == version]
+        for k in orphans:
+            self._orphans[k] = self._fresh.pop(k)
+        self.orphaned += len(orphans)
+        if orphans:
             self._wake()
 
     # -- claims ----------------------------------------------------------------------------
@@ -156,33 +305,82 @@ class BlockCache:
 
     def finish(self, keys: list[BlockKey]) -> None:
         """End a claim (fetched or not) and wake everyone waiting on it."""
-        events = {self._inflight.pop(k) for k in keys if k in self._inflight}
-        for event in events:
-            event.set()
+        for k in keys:
+            event = self._inflight.pop(k, None)
+            if event is not None:
+                event.set()
         self._wake()  # the blocks it cached are evictable by readers' own fetches
 
-    def put(self, key: BlockKey, data: bytes) -> None:
-        """Insert a fetched block (fresh, not read yet) whose bytes were reserved: they move
-        from reserved to cached."""
+    def new_block(self, length: int) -> Block:
+        """A block with an empty pooled buffer, for a fetch to fill."""
+        return Block(self, self.pool.acquire(), length)
+
+    def put(self, key: BlockKey, block: Block, reservation: Reservation) -> None:
+        """Insert a filled block; its bytes move from ``reservation`` to the cache."""
+        reservation.spend(len(block))
+        self._remove(key)
+        self._cached_bytes += len(block)
+        block.cached = True
+        if (key.key, key.etag) in self._open_versions:
+            self._fresh[key] = block
+        else:  # its handles closed while it was on its way: nobody is waiting for it
+            self._orphans[key] = block
+            self.orphaned += 1
+        self.inserts += 1
+
+    # -- eviction --------------------------------------------------------------------------
+
+    def _insert_used(self, key: BlockKey, block: Block) -> None:
+        self._used[key] = block
+        self._used_bytes += len(block)
+        # Over the used cap: drop the least recently used (never a block just read).
+        while self._used_bytes > self.used_limit_bytes and len(self._used) > 1:
+            self._evict_from(self._used)
+
+    def _remove(self, key: BlockKey) -> None:
         old = self._used.pop(key, None)
         if old is not None:
             self._used_bytes -= len(old)
-            self._cached_bytes -= len(old)
-        old = self._fresh.pop(key, None)
+        else:
+            old = self._fresh.pop(key, None) or self._orphans.pop(key, None)
         if old is not None:
-            self._cached_bytes -= len(old)
-        self._fresh[key] = data
-        self._cached_bytes += len(data)
-        self._reserved_bytes -= len(data)
-        self.inserts += 1
+            self._drop(old)
+
+    def _drop(self, block: Block, *, wake: bool = True) -> None:
+        self._cached_bytes -= len(block)
+        block.cached = False
+        self._charge(-len(block), wake=wake)
+        block._maybe_free()
+
+    def _evict_one(self, *, demand: bool) -> bool:
+        """Evict one block: an orphan, else the least recently used block, else (only for a
+        reader's own fetch) the newest fresh block, the furthest ahead of its reader."""
+        if self._orphans:
+            self._evict_from(self._orphans)
+        elif self._used:
+            self._evict_from(self._used)
+        elif demand and self._fresh:
+            self._evict_from(self._fresh, newest=True)
+        else:
+            return False
+        return True
+
+    def _evict_from(self, blocks: OrderedDict[BlockKey, Block], *, newest: bool = False) -> None:
+        _, block = blocks.popitem(last=newest)
+        if blocks is self._used:
+            self._used_bytes -= len(block)
+        self.evictions += 1
+        self._drop(block, wake=False)  # the caller takes the room it made
 
     def statistics(self) -> dict[str, int]:
         return {
             "hits": self.hits,
             "inserts": self.inserts,
             "evictions": self.evictions,
+            "orphaned": self.orphaned,
             "cached_bytes": self._cached_bytes,
-            "inflight_bytes": self._reserved_bytes,
+            "inflight_bytes": self.reserved_bytes,
             "peak_bytes": self.peak_bytes,
             "capacity_bytes": self.capacity_bytes,
+            **self.pool.statistics(),
         }

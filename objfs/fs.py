@@ -29,7 +29,6 @@ prefetch that itself waits for the reader to consume something.
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import stat
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 import trio
 
 from objfs.backends.base import Backend, ObjectInfo
-from objfs.block_cache import BlockCache, BlockKey
+from objfs.block_cache import BlockCache
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
@@ -52,6 +51,7 @@ from objfs.errors import (
     StaleObjectError,
 )
 from objfs.readahead import Readahead
+from objfs.scheduler import Fetcher
 from objfs.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -98,19 +98,6 @@ class Handle:
     etag: str
     size: int
     readahead: Readahead
-    # Read-ahead tasks of this handle, cancelled when it is released.
-    scopes: set[trio.CancelScope] = field(default_factory=set)
-
-
-@dataclass
-class _Job:
-    """Read-ahead of blocks [first, stop) of one handle, waiting in the queue."""
-
-    handle: Handle
-    first: int
-    stop: int
-    claim: tuple[list[BlockKey], int] | None  # (claimed blocks, bytes reserved), or not yet
-    scope: trio.CancelScope
 
 
 @dataclass
@@ -158,26 +145,24 @@ class FileSystem:
         # few of them (for reads that straddle requests and for re-reads after the kernel
         # dropped pages); the rest of the budget is for read-ahead.
         used_limit = max(2 * config.part_size_bytes, min(config.memory_limit_bytes // 4, 256 << 20))
-        self.cache = BlockCache(config.memory_limit_bytes, used_limit)
+        self.cache = BlockCache(
+            config.memory_limit_bytes, used_limit, block_size=config.block_size_bytes
+        )
         self.disk = disk
-        # Disk reads and writes run in threads; a few suffice to keep one disk busy.
-        self._disk_limiter = trio.CapacityLimiter(4)
         # Read-ahead runs queued jobs in order on all connections but two, which stay free
         # for the readers' own (demand) fetches: a random read never queues behind a file.
-        self._prefetch_workers = max(1, config.s3.max_connections - 2)
-        self._jobs: collections.deque[_Job] = collections.deque()
-        self._starved: list[_Job] = []  # jobs waiting for memory
-        self._memory_generation = 0  # counts releases of memory
-        self._starved_at = 0  # the generation at which a job last failed to get memory
-        self._work = trio.Event()  # set when a job is queued or memory is released
-        self._queued_job_of: dict[BlockKey, _Job] = {}
-        self.cache.on_space = self._work_available
-        self._disk_write_bytes = 0  # queued for the disk tier, bounded below
-        self._disk_written = trio.Event()  # set whenever a queued disk write finishes
+        self.fetcher = Fetcher(
+            backend,
+            self.cache,
+            disk,
+            block_size=self.block_size,
+            part_blocks=self.part_blocks,
+            prefetch_workers=max(1, config.s3.max_connections - 2),
+            on_stale=self._forget_version,
+        )
         self.uid = os.getuid() if config.uid is None else config.uid
         self.gid = os.getgid() if config.gid is None else config.gid
         self.mount_time_ns = time.time_ns()
-        self._nursery: trio.Nursery | None = None
         self._inode_of: dict[tuple[bool, str], int] = {}
         self._nodes: dict[int, Node] = {}
         self._listings: dict[int, Listing] = {}
@@ -194,9 +179,7 @@ class FileSystem:
 
     def start(self, nursery: trio.Nursery) -> None:
         """Give the file system a nursery for read-ahead and disk-cache tasks."""
-        self._nursery = nursery
-        for _ in range(self._prefetch_workers):
-            nursery.start_soon(self._prefetch_worker)
+        self.fetcher.start(nursery)
 
     # -- nodes -----------------------------------------------------------------------------
 
@@ -388,13 +371,16 @@ class FileSystem:
         )
         handle = Handle(fh, node, node.key, node.etag, node.size, readahead)
         self._handles[fh] = handle
+        self.cache.open_version(handle.key, handle.etag)
         self._share_windows()
         if node.key.endswith(self.config.prefetch_on_open_suffixes):
             whole = readahead.start_whole_file()
             if whole is not None:
                 # Not tied to this handle: loaders often open a shard once for its header and
-                # again for its data, and the prefetch should outlive the first open.
-                self._prefetch(handle, whole, cancellable=False)
+                # again for its data, and the prefetch should outlive the first open. Its
+                # blocks still belong to the version's handles: if they all close first, the
+                # blocks go first when memory is short (see objfs.block_cache).
+                self.fetcher.prefetch(handle, whole, cancellable=False)
         return fh, keep_cache
 
     def _share_windows(self) -> None:
@@ -409,22 +395,14 @@ class FileSystem:
                 stream.window = min(stream.window, window)
 
     def release(self, fh: int) -> None:
-        """Close a handle and cancel its read-ahead: queued jobs and fetches in flight."""
+        """Close a handle: cancel its read-ahead (queued jobs and fetches in flight); after the
+        last handle of a version, its unread blocks are the first to go."""
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
         self._share_windows()
-        for scope in handle.scopes:
-            scope.cancel()
-        # Queued jobs never start: end their claims now so readers do not wait on them.
-        self._starved = [j for j in self._starved if not j.scope.cancel_called]
-        for job in [j for j in self._jobs if j.scope.cancel_called]:
-            self._jobs.remove(job)
-            if job.claim is not None:
-                for key in job.claim[0]:
-                    self._queued_job_of.pop(key, None)
-                self.cache.finish(job.claim[0])
-                self.cache.unreserve(job.claim[1])
+        self.fetcher.cancel(handle)
+        self.cache.close_version(handle.key, handle.etag)
 
     def _handle(self, fh: int) -> Handle:
         try:
@@ -432,16 +410,7 @@ class FileSystem:
         except KeyError:
             raise BadFileHandleError(f"file handle {fh} is not open") from None
 
-    def _block_key(self, handle: Handle, index: int) -> BlockKey:
-        return BlockKey(handle.key, handle.etag, index)
-
-    def _block_count(self, handle: Handle) -> int:
-        return _ceil_div(handle.size, self.block_size)
-
-    def _block_length(self, handle: Handle, index: int) -> int:
-        return min(self.block_size, handle.size - index * self.block_size)
-
-    async def read(self, fh: int, offset: int, size: int) -> bytes | memoryview:
+    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
         handle = self._handle(fh)
         if handle.node.etag != handle.etag:
@@ -453,7 +422,7 @@ class FileSystem:
             return b""
         window = handle.readahead.on_read(offset, end - offset)
         if window is not None:
-            self._prefetch(handle, window, cancellable=True)
+            self.fetcher.prefetch(handle, window, cancellable=True)
         elif handle.readahead.last_random:
             data = await self._read_random(handle, offset, end)
             if data is not None:
@@ -461,33 +430,49 @@ class FileSystem:
         bs = self.block_size
         first, last = offset // bs, (end - 1) // bs
         if first == last:
-            block = self.cache.get_nowait(self._block_key(handle, first))
-            if block is None:
-                block = await self._demand(handle, first)
+            # The usual case: one block, answered with a view of its buffer (the kernel copies
+            # it before the trio thread runs anything else, so nothing can recycle it first).
             base = first * bs
-            if offset == base and end - base == len(block):
-                return block
-            return memoryview(block)[offset - base : end - base]
-        pieces: list[memoryview] = []
+            block = await self._block(handle, first, to_end=end == base + bs or end == handle.size)
+            return block[offset - base : end - base]
+        out = bytearray(end - offset)
         for index in range(first, last + 1):
-            block = self.cache.get_nowait(self._block_key(handle, index))
-            if block is None:
-                block = await self._demand(handle, index)
             base = index * bs
-            pieces.append(memoryview(block)[max(offset, base) - base : min(end, base + bs) - base])
-        return b"".join(pieces)
+            lo, hi = max(offset, base), min(end, base + bs)
+            block = await self._block(handle, index, to_end=hi == base + bs or hi == handle.size)
+            # Copied at once: the next block's fetch may wait, and this one may be evicted.
+            out[lo - offset : hi - offset] = block[lo - base : hi - base]
+        return out
+
+    async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | bytes:
+        """Block ``index`` of the handle's version, from the memory tier or fetched now."""
+        key = self.fetcher.key(handle, index)
+        data = self.cache.get_nowait(key, to_end=to_end)
+        if data is not None:
+            return data
+        await self.fetcher.demand(handle, index)
+        data = self.cache.get_nowait(key, to_end=to_end)
+        if data is not None:
+            return data
+        # Budget smaller than a block, or repeated eviction: read around the memory tier.
+        return await self._read_range(
+            handle, index * self.block_size, self.fetcher.length(handle, index)
+        )
 
     async def _read_random(self, handle: Handle, offset: int, end: int) -> bytes | None:
         """Bytes [offset, end) for a random read, or None to read through the block cache
         (some of its blocks are cached or on their way there)."""
         bs = self.block_size
         indexes = list(range(offset // bs, (end - 1) // bs + 1))
-        keys = [self._block_key(handle, i) for i in indexes]
+        keys = [self.fetcher.key(handle, i) for i in indexes]
         if any(self.cache.is_cached_or_pending(k) for k in keys):
             return None
         if self.disk is not None and self.disk.enabled:
             found = await trio.to_thread.run_sync(
-                self._disk_read_many, handle, indexes, limiter=self._disk_limiter
+                self.fetcher.read_disk_blocks,
+                handle,
+                indexes,
+                limiter=self.fetcher.disk_read_limiter,
             )
             if len(found) == len(indexes):
                 joined = b"".join(found[i] for i in indexes)
@@ -503,35 +488,6 @@ class FileSystem:
         data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
         return data[offset - start : end - start]
 
-    async def _demand(self, handle: Handle, index: int) -> bytes:
-        """A reader needs block ``index`` now: wait for its fetch in flight, or fetch it."""
-        key = self._block_key(handle, index)
-        event = self.cache.pending(key)
-        if event is not None:
-            stolen = self._steal(key)
-            if stolen is not None:
-                # Its read-ahead has not started: fetch this block now, alone, instead of
-                # waiting for a worker and then for a whole part.
-                await self._fetch(handle, index, index + 1, demand=True, claim=stolen)
-            else:
-                await event.wait()
-            data = self.cache.get_nowait(key)
-            if data is not None:
-                return data
-            # The fetch failed, was cancelled or its block was evicted already: fetch it here.
-        await self._fetch(handle, index, index + 1, demand=True)
-        data = self.cache.get_nowait(key)
-        if data is None:  # claimed by another reader meanwhile: wait for it once more
-            event = self.cache.pending(key)
-            if event is not None:
-                await event.wait()
-            data = self.cache.get_nowait(key)
-        if data is None:  # budget smaller than a block, or repeated eviction: read around it
-            data = await self._read_range(
-                handle, index * self.block_size, self._block_length(handle, index)
-            )
-        return data
-
     async def _read_range(self, handle: Handle, start: int, length: int) -> bytes:
         """One GET outside the block cache, with the same stale-version handling."""
         try:
@@ -545,211 +501,9 @@ class FileSystem:
         handle.node.checked_at = -float("inf")
         self._listings.pop(handle.node.parent, None)
 
-    def _prefetch(self, handle: Handle, window: tuple[int, int], *, cancellable: bool) -> None:
-        """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts."""
-        if self._nursery is None:
-            return
-        bs, part = self.block_size, self.part_blocks
-        count = self._block_count(handle)
-        first = window[0] // bs
-        # Round the end up to a part boundary: every GET is a whole part, and every stream and
-        # handle asks for the same parts.
-        stop = min(count, _ceil_div(_ceil_div(window[1], bs), part) * part)
-        index = first
-        while index < stop:
-            part_end = min(stop, (index // part + 1) * part)
-            keys = [self._block_key(handle, i) for i in range(index, part_end)]
-            if not all(self.cache.is_cached_or_pending(k) for k in keys):
-                # Claim now if memory allows, so a reader arriving next waits for this fetch
-                # instead of sending its own; otherwise the job waits for memory first.
-                claim = self._try_claim(handle, index, part_end, demand=False)
-                if claim is None or claim[0]:
-                    job = _Job(handle, index, part_end, claim, trio.CancelScope())
-                    if cancellable:
-                        handle.scopes.add(job.scope)
-                    self._jobs.append(job)
-                    for key in claim[0] if claim else ():
-                        self._queued_job_of[key] = job
-                    self._wake_workers()
-            index = part_end
-
-    def _steal(self, key: BlockKey) -> tuple[list[BlockKey], int] | None:
-        """Take ``key`` (and its reserved bytes) out of the claim of the queued read-ahead job
-        that will fetch it; None if no queued job holds it (its fetch is under way)."""
-        job = self._queued_job_of.pop(key, None)
-        if job is None or job.claim is None or key not in job.claim[0]:
-            return None
-        keys, reserved = job.claim
-        length = self._block_length(job.handle, key.block)
-        job.claim = ([k for k in keys if k != key], reserved - length)
-        return [key], length
-
-    def _wake_workers(self) -> None:
-        """Wake every idle read-ahead worker (they all wait on the same event)."""
-        self._work.set()
-        self._work = trio.Event()
-
-    def _work_available(self) -> None:
-        self._memory_generation += 1
-        self._wake_workers()
-
-    async def _next_job(self) -> _Job:
-        """The oldest runnable job: queued first, then those that waited for memory."""
-        while True:
-            if self._jobs:
-                return self._jobs.popleft()
-            # Retry jobs that waited for memory once memory was released since they failed.
-            if self._starved and self._memory_generation != self._starved_at:
-                self._jobs.extend(self._starved)
-                self._starved.clear()
-                continue
-            await self._work.wait()
-
-    async def _prefetch_worker(self) -> None:
-        """Run queued read-ahead jobs in order; one worker per read-ahead connection.
-
-        A job that could not reserve memory when queued tries again here; if memory is still
-        short it waits aside (holding no claim and no worker) until memory is released.
-        """
-        while True:
-            job = await self._next_job()
-            if job.scope.cancel_called:
-                continue
-            if job.claim is None:
-                if job.handle.readahead.passed(job.stop * self.block_size):
-                    continue  # the readers got there first (their own fetches did the work)
-                job.claim = self._try_claim(job.handle, job.first, job.stop, demand=False)
-                if job.claim is None:
-                    self._starved.append(job)
-                    self._starved_at = self._memory_generation
-                    continue
-            else:
-                for key in job.claim[0]:
-                    self._queued_job_of.pop(key, None)
-            try:
-                with job.scope:
-                    await self._fetch(
-                        job.handle, job.first, job.stop, demand=False, claim=job.claim
-                    )
-            except Exception as exc:
-                # The reader that needs these blocks fetches them again and sees the error.
-                log.debug("read-ahead of %s block %d failed: %s", job.handle.key, job.first, exc)
-            finally:
-                job.handle.scopes.discard(job.scope)
-
-    def _claim_reserved(
-        self, handle: Handle, first: int, stop: int, total: int
-    ) -> tuple[list[BlockKey], int]:
-        """With ``total`` bytes reserved for [first, stop): claim the blocks nobody has or is
-        fetching, give back the bytes of the others; returns (claimed, bytes reserved)."""
-        claimed = self.cache.claim([self._block_key(handle, i) for i in range(first, stop)])
-        reserved = sum(self._block_length(handle, k.block) for k in claimed)
-        self.cache.unreserve(total - reserved)
-        return claimed, reserved
-
-    def _try_claim(
-        self, handle: Handle, first: int, stop: int, *, demand: bool
-    ) -> tuple[list[BlockKey], int] | None:
-        total = sum(self._block_length(handle, i) for i in range(first, stop))
-        if not self.cache.try_reserve(total, demand=demand):
-            return None
-        return self._claim_reserved(handle, first, stop, total)
-
-    async def _fetch(
-        self,
-        handle: Handle,
-        first: int,
-        stop: int,
-        *,
-        demand: bool,
-        claim: tuple[list[BlockKey], int] | None = None,
-    ) -> None:
-        """Fetch blocks [first, stop) that nobody else has or is fetching into the cache.
-
-        Order: reserve memory (may wait), claim the blocks, then take a connection. A claim is
-        never held while waiting for memory, so readers cannot deadlock on read-ahead.
-        """
-        if claim is None:
-            total = sum(self._block_length(handle, i) for i in range(first, stop))
-            await self.cache.reserve(total, demand=demand)
-            claim = self._claim_reserved(handle, first, stop, total)
-        claimed, reserved = claim
-        try:
-            for run in _runs([k.block for k in claimed]):
-                reserved -= await self._fetch_run(handle, run[0], run[-1] + 1, demand=demand)
-        finally:
-            self.cache.finish(claimed)
-            self.cache.unreserve(reserved)
-
-    async def _fetch_run(self, handle: Handle, first: int, stop: int, *, demand: bool) -> int:
-        """Fill claimed blocks [first, stop) from disk or the store; returns bytes cached."""
-        stored = 0
-        missing = list(range(first, stop))
-        if self.disk is not None and self.disk.enabled:
-            found = await trio.to_thread.run_sync(
-                self._disk_read_many, handle, missing, limiter=self._disk_limiter
-            )
-            for index, data in found.items():
-                self.cache.put(self._block_key(handle, index), data)
-                stored += len(data)
-            missing = [i for i in missing if i not in found]
-        for run in _runs(missing):
-            start = run[0] * self.block_size
-            length = sum(self._block_length(handle, i) for i in run)
-            try:
-                blocks = await self.backend.read_blocks(
-                    handle.key, handle.etag, start, length, self.block_size
-                )
-            except StaleObjectError:
-                self._forget_version(handle)
-                raise
-            for index, data in zip(run, blocks, strict=True):
-                self.cache.put(self._block_key(handle, index), data)
-                stored += len(data)
-            self._write_to_disk(handle, list(zip(run, blocks, strict=True)))
-        return stored
-
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""
-        while self._disk_write_bytes:
-            self._disk_written = trio.Event()
-            await self._disk_written.wait()
-
-    def _disk_read_many(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
-        assert self.disk is not None
-        found: dict[int, bytes] = {}
-        for index in indexes:
-            data = self.disk.read(self._block_key(handle, index), self._block_length(handle, index))
-            if data is not None:
-                found[index] = data
-        return found
-
-    def _write_to_disk(self, handle: Handle, blocks: list[tuple[int, bytes]]) -> None:
-        disk = self.disk
-        if disk is None or not disk.enabled or self._nursery is None:
-            return
-        nbytes = sum(len(b) for _, b in blocks)
-        # The blocks waiting for the disk are memory outside the budget: bound them.
-        if self._disk_write_bytes + nbytes > self.cache.capacity_bytes // 4:
-            log.debug("disk cache behind; not caching %s blocks %d+", handle.key, blocks[0][0])
-            return
-        self._disk_write_bytes += nbytes
-        keys = [(self._block_key(handle, i), b) for i, b in blocks]
-
-        def write_all() -> None:
-            for key, data in keys:
-                disk.write(key, data)
-
-        async def write() -> None:
-            try:
-                await trio.to_thread.run_sync(write_all, limiter=self._disk_limiter)
-            except Exception:
-                log.exception("disk cache write failed")
-            finally:
-                self._disk_write_bytes -= nbytes
-                self._disk_written.set()
-
-        self._nursery.start_soon(write)
+        await self.fetcher.flush_disk_writes()
 
     def statistics(self) -> dict[str, int]:
         return {
@@ -757,21 +511,10 @@ class FileSystem:
             "open_files": len(self._handles),
             "open_dirs": len(self._dir_handles),
             **self.cache.statistics(),
+            **self.fetcher.statistics(),
             **(self.disk.statistics() if self.disk is not None else {}),
         }
 
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _runs(indexes: list[int]) -> Iterator[list[int]]:
-    """Split sorted block numbers into runs of consecutive numbers."""
-    run: list[int] = []
-    for index in indexes:
-        if run and index != run[-1] + 1:
-            yield run
-            run = []
-        run.append(index)
-    if run:
-        yield run

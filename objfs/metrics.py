@@ -26,7 +26,7 @@ import os
 import stat
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 import trio
@@ -168,13 +168,11 @@ class InstrumentedBackend(Backend):
             received.append(len(data))
             return data
 
-    async def read_blocks(
-        self, key: str, etag: str, start: int, length: int, block_size: int
-    ) -> list[bytes]:
+    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        length = sum(len(v) for v in views)
         with self._request("get", f"{key!r} bytes {start}-{start + length - 1}") as received:
-            blocks = await self.inner.read_blocks(key, etag, start, length, block_size)
-            received.append(sum(len(b) for b in blocks))
-            return blocks
+            await self.inner.read_into(key, etag, start, views)
+            received.append(length)
 
     async def aclose(self) -> None:
         await self.inner.aclose()

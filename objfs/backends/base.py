@@ -15,7 +15,7 @@ Contracts:
 from __future__ import annotations
 
 import abc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 
@@ -73,16 +73,18 @@ class Backend(abc.ABC):
         StaleObjectError (never bytes of the other version).
         """
 
-    async def read_blocks(
-        self, key: str, etag: str, start: int, length: int, block_size: int
-    ) -> list[bytes]:
-        """Read ``length`` bytes from ``start`` with one request, cut into ``block_size``
-        pieces (the last may be shorter). Same contract as :meth:`read_range`; backends
-        override it to fill the pieces from the response stream without a join and a split.
+    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        """Read ``sum(len(v) for v in views)`` bytes from ``start`` with one request, filling
+        ``views`` in order. Same contract as :meth:`read_range` (all bytes or an exception;
+        on an exception the views hold garbage). Backends override it to receive straight into
+        the views (the memory tier's pooled buffers) without an intermediate copy.
         """
-        data = await self.read_range(key, etag, start, length)
-        view = memoryview(data)
-        return [bytes(view[i : i + block_size]) for i in range(0, length, block_size)]
+        length = sum(len(v) for v in views)
+        data = memoryview(await self.read_range(key, etag, start, length))
+        offset = 0
+        for view in views:
+            view[:] = data[offset : offset + len(view)]
+            offset += len(view)
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections and threads."""

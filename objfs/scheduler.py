@@ -1,0 +1,438 @@
+"""The read-ahead scheduler and the fetcher: what reaches the memory tier, and in what order.
+
+:mod:`objfs.readahead` decides *what* each stream wants next; this module fetches it:
+
+* **Jobs.** Read-ahead of whole aligned parts is queued as jobs, run in order by
+  ``max_connections - 2`` workers (two connections stay free for the readers' own fetches, so a
+  random read never queues behind a file). A job reserves its memory when queued if it can,
+  otherwise when a worker takes it; a job that cannot get memory waits aside, holding no claim
+  and no worker, until memory is released.
+* **Demand.** A reader that needs a block fetches it at once. If a queued job holds the
+  block, the reader takes it (and its share of the reservation) out of the job instead of
+  waiting for a worker and a whole part.
+* **One fetch per block.** A fetch reserves memory, then claims its blocks; readers of a
+  claimed block wait for it. Order: reserve (may wait), claim, then take a connection, so a
+  claim is never held while waiting for memory and readers cannot deadlock on read-ahead.
+* **Ownership.** A job belongs to the handle that queued it: closing the handle cancels it and
+  its claims end at once (a queued job) or when its fetch stops (a running one). Memory is
+  accounted by :class:`~objfs.block_cache.Reservation` (see :mod:`objfs.block_cache`): a fetch
+  that fails or is cancelled gives back exactly the bytes it did not turn into blocks.
+* **Tiers.** A claimed run is filled from the disk tier where it has the blocks, the rest from
+  the store with one ranged GET per run, received straight into the blocks' pooled buffers.
+  Blocks fetched from the store are queued for the disk tier behind the reader (write-behind:
+  a reply never waits for a disk write); the blocks waiting for the disk are pinned, and the
+  bytes so pinned are bounded (a quarter of the budget), beyond which blocks are not cached
+  on disk rather than delaying anything.
+
+Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
+buffers the trio thread owns and never touch the cache.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import trio
+
+from objfs.backends.base import Backend
+from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
+from objfs.disk_cache import DiskCache
+from objfs.errors import StaleObjectError
+
+if TYPE_CHECKING:
+    from objfs.fs import Handle
+
+log = logging.getLogger(__name__)
+
+# Disk reads run in threads; a few keep one disk busy. Writes go through at most two threads:
+# they are behind the reader, and more would only compete with it for the CPU.
+DISK_READ_THREADS = 4
+DISK_WRITE_THREADS = 2
+
+
+@dataclass
+class Claim:
+    """Blocks one fetch will fill and the memory reserved for them."""
+
+    keys: list[BlockKey]
+    reservation: Reservation
+
+
+@dataclass(eq=False)  # hashed by identity: jobs are kept in sets
+class _Job:
+    """Read-ahead of blocks [first, stop) of one handle, waiting in the queue."""
+
+    handle: Handle
+    first: int
+    stop: int
+    claim: Claim | None  # claimed when queued, or not yet
+    scope: trio.CancelScope = field(default_factory=trio.CancelScope)
+
+
+class Fetcher:
+    """Fills the memory tier for the handles of one file system."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        cache: BlockCache,
+        disk: DiskCache | None,
+        *,
+        block_size: int,
+        part_blocks: int,
+        prefetch_workers: int,
+        on_stale: Callable[[Handle], None],
+    ) -> None:
+        self.backend = backend
+        self.cache = cache
+        self.disk = disk
+        self.block_size = block_size
+        self.part_blocks = part_blocks
+        self.prefetch_workers = prefetch_workers
+        self._on_stale = on_stale
+        self._nursery: trio.Nursery | None = None
+        self._disk_read_limiter = trio.CapacityLimiter(DISK_READ_THREADS)
+        self._jobs: collections.deque[_Job] = collections.deque()
+        self._starved: list[_Job] = []  # jobs waiting for memory
+        self._memory_generation = 0  # counts releases of memory
+        self._starved_at = 0  # the generation at which a job last failed to get memory
+        self._work = trio.Event()  # set when a job is queued or memory is released
+        self._queued_job_of: dict[BlockKey, _Job] = {}
+        self._jobs_of: dict[int, set[_Job]] = {}  # fh -> its cancellable jobs
+        cache.on_space = self._memory_released
+        # Write-behind: runs of pinned blocks waiting for the disk, and their bytes.
+        self._disk_queue: collections.deque[list[tuple[BlockKey, Block]]] = collections.deque()
+        self._disk_queued = trio.Event()
+        self._disk_write_bytes = 0
+        self._disk_written = trio.Event()  # set whenever a queued disk write finishes
+        self.disk_skipped = 0  # runs not written because the disk was behind
+
+    def start(self, nursery: trio.Nursery) -> None:
+        self._nursery = nursery
+        for _ in range(self.prefetch_workers):
+            nursery.start_soon(self._prefetch_worker)
+        if self.disk is not None:
+            for _ in range(DISK_WRITE_THREADS):
+                nursery.start_soon(self._disk_writer)
+
+    # -- geometry --------------------------------------------------------------------------
+
+    def key(self, handle: Handle, index: int) -> BlockKey:
+        return BlockKey(handle.key, handle.etag, index)
+
+    def length(self, handle: Handle, index: int) -> int:
+        return min(self.block_size, handle.size - index * self.block_size)
+
+    def block_count(self, handle: Handle) -> int:
+        return _ceil_div(handle.size, self.block_size)
+
+    # -- read-ahead ------------------------------------------------------------------------
+
+    def prefetch(self, handle: Handle, window: tuple[int, int], *, cancellable: bool) -> None:
+        """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts."""
+        if self._nursery is None:
+            return
+        bs, part = self.block_size, self.part_blocks
+        count = self.block_count(handle)
+        first = window[0] // bs
+        # Round the end up to a part boundary: every GET is a whole part, and every stream and
+        # handle asks for the same parts.
+        stop = min(count, _ceil_div(_ceil_div(window[1], bs), part) * part)
+        index = first
+        while index < stop:
+            part_end = min(stop, (index // part + 1) * part)
+            keys = [self.key(handle, i) for i in range(index, part_end)]
+            if not all(self.cache.is_cached_or_pending(k) for k in keys):
+                # Claim now if memory allows, so a reader arriving next waits for this fetch
+                # instead of sending its own; otherwise the job waits for memory first.
+                claim = self._try_claim(handle, index, part_end, demand=False)
+                if claim is None or claim.keys:
+                    job = _Job(handle, index, part_end, claim)
+                    if cancellable:
+                        self._jobs_of.setdefault(handle.fh, set()).add(job)
+                    self._jobs.append(job)
+                    for key in claim.keys if claim else ():
+                        self._queued_job_of[key] = job
+                    self._wake_workers()
+            index = part_end
+
+    def cancel(self, handle: Handle) -> None:
+        """The handle closed: cancel its read-ahead, queued and in flight."""
+        for job in self._jobs_of.pop(handle.fh, ()):
+            job.scope.cancel()
+        self._starved = [j for j in self._starved if not j.scope.cancel_called]
+        # Queued jobs never start: end their claims now so readers do not wait on them.
+        for job in [j for j in self._jobs if j.scope.cancel_called]:
+            self._jobs.remove(job)
+            if job.claim is not None:
+                for key in job.claim.keys:
+                    self._queued_job_of.pop(key, None)
+                self.cache.finish(job.claim.keys)
+                job.claim.reservation.release()
+
+    def _steal(self, key: BlockKey) -> Claim | None:
+        """Take ``key`` (and its reserved bytes) out of the claim of the queued read-ahead job
+        that will fetch it; None if no queued job holds it (its fetch is under way)."""
+        job = self._queued_job_of.pop(key, None)
+        if job is None or job.claim is None or key not in job.claim.keys:
+            return None
+        job.claim.keys.remove(key)
+        length = self.length(job.handle, key.block)
+        return Claim([key], job.claim.reservation.split(length))
+
+    def _wake_workers(self) -> None:
+        """Wake every idle read-ahead worker (they all wait on the same event)."""
+        self._work.set()
+        self._work = trio.Event()
+
+    def _memory_released(self) -> None:
+        self._memory_generation += 1
+        self._wake_workers()
+
+    async def _next_job(self) -> _Job:
+        """The oldest runnable job: queued first, then those that waited for memory."""
+        while True:
+            if self._jobs:
+                return self._jobs.popleft()
+            # Retry jobs that waited for memory once memory was released since they failed.
+            if self._starved and self._memory_generation != self._starved_at:
+                self._jobs.extend(self._starved)
+                self._starved.clear()
+                continue
+            await self._work.wait()
+
+    async def _prefetch_worker(self) -> None:
+        """Run queued read-ahead jobs in order; one worker per read-ahead connection."""
+        while True:
+            job = await self._next_job()
+            if job.scope.cancel_called:
+                continue
+            if job.claim is None:
+                if job.handle.readahead.passed(job.stop * self.block_size):
+                    self._forget_job(job)
+                    continue  # the readers got there first (their own fetches did the work)
+                job.claim = self._try_claim(job.handle, job.first, job.stop, demand=False)
+                if job.claim is None:
+                    self._starved.append(job)
+                    self._starved_at = self._memory_generation
+                    continue
+            else:
+                for key in job.claim.keys:
+                    self._queued_job_of.pop(key, None)
+            try:
+                with job.scope:
+                    await self._fetch(job.handle, demand=False, claim=job.claim)
+            except Exception as exc:
+                # The reader that needs these blocks fetches them again and sees the error.
+                log.debug("read-ahead of %s block %d failed: %s", job.handle.key, job.first, exc)
+            finally:
+                self._forget_job(job)
+
+    def _forget_job(self, job: _Job) -> None:
+        jobs = self._jobs_of.get(job.handle.fh)
+        if jobs is not None:
+            jobs.discard(job)
+
+    # -- demand ----------------------------------------------------------------------------
+
+    async def demand(self, handle: Handle, index: int) -> None:
+        """A reader needs block ``index`` now: wait for its fetch in flight, or fetch it.
+
+        On return the block is usually cached; if it is not (the fetch failed for another
+        reader, or it was evicted at once under a tiny budget) the caller reads around it.
+        Raises the store's error when this reader's own fetch fails.
+        """
+        key = self.key(handle, index)
+        event = self.cache.pending(key)
+        if event is not None:
+            stolen = self._steal(key)
+            if stolen is not None:
+                # Its read-ahead has not started: fetch this block now, alone, instead of
+                # waiting for a worker and then for a whole part.
+                await self._fetch(handle, demand=True, claim=stolen)
+            else:
+                await event.wait()
+            if self.cache.contains(key):
+                return
+            # The fetch failed, was cancelled or its block was evicted already: fetch it here.
+        await self.fetch_blocks(handle, index, index + 1, demand=True)
+        if not self.cache.contains(key):  # claimed by another reader meanwhile: wait once more
+            event = self.cache.pending(key)
+            if event is not None:
+                await event.wait()
+
+    # -- fetching --------------------------------------------------------------------------
+
+    def _try_claim(self, handle: Handle, first: int, stop: int, *, demand: bool) -> Claim | None:
+        total = sum(self.length(handle, i) for i in range(first, stop))
+        reservation = self.cache.try_reserve(total, demand=demand)
+        if reservation is None:
+            return None
+        return self._claim_reserved(handle, first, stop, reservation)
+
+    def _claim_reserved(
+        self, handle: Handle, first: int, stop: int, reservation: Reservation
+    ) -> Claim:
+        """With memory reserved for [first, stop): claim the blocks nobody has or is fetching,
+        give back the bytes of the others."""
+        claimed = self.cache.claim([self.key(handle, i) for i in range(first, stop)])
+        needed = sum(self.length(handle, k.block) for k in claimed)
+        reservation.give_back(reservation.remaining - needed)
+        return Claim(claimed, reservation)
+
+    async def fetch_blocks(self, handle: Handle, first: int, stop: int, *, demand: bool) -> None:
+        """Fetch blocks [first, stop) that nobody else has or is fetching into the cache."""
+        total = sum(self.length(handle, i) for i in range(first, stop))
+        reservation = await self.cache.reserve(total, demand=demand)
+        await self._fetch(
+            handle, demand=demand, claim=self._claim_reserved(handle, first, stop, reservation)
+        )
+
+    async def _fetch(self, handle: Handle, *, demand: bool, claim: Claim) -> None:
+        """Fill the claimed blocks; always ends the claim and releases what is left of its
+        reservation, whatever happens."""
+        try:
+            for run in _runs(sorted(k.block for k in claim.keys)):
+                await self._fetch_run(handle, run[0], run[-1] + 1, claim.reservation)
+        finally:
+            self.cache.finish(claim.keys)
+            claim.reservation.release()
+
+    async def _fetch_run(
+        self, handle: Handle, first: int, stop: int, reservation: Reservation
+    ) -> None:
+        """Fill claimed blocks [first, stop) from disk or the store, spending ``reservation``
+        on each block cached."""
+        blocks = {i: self.cache.new_block(self.length(handle, i)) for i in range(first, stop)}
+        try:
+            missing = list(blocks)
+            disk = self.disk
+            if disk is not None and disk.enabled:
+                found = await trio.to_thread.run_sync(
+                    self._disk_read_into,
+                    handle,
+                    [(i, blocks[i].view) for i in missing],
+                    limiter=self._disk_read_limiter,
+                )
+                for index in found:
+                    self.cache.put(self.key(handle, index), blocks.pop(index), reservation)
+                missing = [i for i in missing if i not in found]
+            for run in _runs(missing):
+                start = run[0] * self.block_size
+                try:
+                    await self.backend.read_into(
+                        handle.key, handle.etag, start, [blocks[i].view for i in run]
+                    )
+                except StaleObjectError:
+                    self._on_stale(handle)
+                    raise
+                written = [(self.key(handle, i), blocks.pop(i)) for i in run]
+                for key, block in written:
+                    self.cache.put(key, block, reservation)
+                self._write_behind(written)
+        finally:
+            for block in blocks.values():
+                block.discard()
+
+    # -- the disk tier ---------------------------------------------------------------------
+
+    def _disk_read_into(self, handle: Handle, wanted: list[tuple[int, memoryview]]) -> set[int]:
+        """(Worker thread) Fill the views of the blocks the disk tier holds; their indexes."""
+        assert self.disk is not None
+        found: set[int] = set()
+        for index, view in wanted:
+            data = self.disk.read(self.key(handle, index), len(view))
+            if data is not None:
+                view[:] = data
+                found.add(index)
+        return found
+
+    def read_disk_blocks(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
+        """(Worker thread) The blocks the disk tier holds, as bytes (random reads)."""
+        assert self.disk is not None
+        found: dict[int, bytes] = {}
+        for index in indexes:
+            data = self.disk.read(self.key(handle, index), self.length(handle, index))
+            if data is not None:
+                found[index] = data
+        return found
+
+    @property
+    def disk_read_limiter(self) -> trio.CapacityLimiter:
+        return self._disk_read_limiter
+
+    def _write_behind(self, blocks: list[tuple[BlockKey, Block]]) -> None:
+        """Queue freshly fetched blocks for the disk tier, pinned until written."""
+        disk = self.disk
+        if disk is None or not disk.enabled or self._nursery is None or not blocks:
+            return
+        nbytes = sum(len(b) for _, b in blocks)
+        # Pinned blocks may outlive their place in the cache: bound them.
+        if self._disk_write_bytes + nbytes > self.cache.capacity_bytes // 4:
+            self.disk_skipped += 1
+            first = blocks[0][0]
+            log.debug("disk cache behind; not caching %s block %d+", first.key, first.block)
+            return
+        for _, block in blocks:
+            block.pin()
+        self._disk_write_bytes += nbytes
+        self._disk_queue.append(blocks)
+        self._disk_queued.set()
+
+    async def _disk_writer(self) -> None:
+        disk = self.disk
+        assert disk is not None
+        while True:
+            while not self._disk_queue:
+                self._disk_queued = trio.Event()
+                await self._disk_queued.wait()
+            run = self._disk_queue.popleft()
+            try:
+                if disk.enabled:
+                    await trio.to_thread.run_sync(_write_all, disk, [(k, b.view) for k, b in run])
+            except Exception:
+                log.exception("disk cache write failed")
+            finally:
+                for _, block in run:
+                    block.unpin()
+                self._disk_write_bytes -= sum(len(b) for _, b in run)
+                self._disk_written.set()
+                self._disk_written = trio.Event()
+
+    async def flush_disk_writes(self) -> None:
+        """Wait until every block queued for the disk cache is written."""
+        while self._disk_write_bytes:
+            await self._disk_written.wait()
+
+    def statistics(self) -> dict[str, int]:
+        return {
+            "queued_jobs": len(self._jobs),
+            "starved_jobs": len(self._starved),
+            "disk_write_queue_bytes": self._disk_write_bytes,
+            "disk_writes_skipped": self.disk_skipped,
+        }
+
+
+def _write_all(disk: DiskCache, blocks: list[tuple[BlockKey, memoryview]]) -> None:
+    for key, view in blocks:
+        disk.write(key, bytes(view))  # TEMPORARY until the v3 disk cache
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _runs(indexes: list[int]) -> Iterator[list[int]]:
+    """Split sorted block numbers into runs of consecutive numbers."""
+    run: list[int] = []
+    for index in indexes:
+        if run and index != run[-1] + 1:
+            yield run
+            run = []
+        run.append(index)
+    if run:
+        yield run

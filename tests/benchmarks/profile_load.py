@@ -1,0 +1,144 @@
+"""Profile one objfs load: wall time, daemon CPU per GB (per thread), bytes fetched.
+
+A development tool, not part of ``make bench``::
+
+    python -m tests.benchmarks.profile_load [--quick] [--no-cache-dir] [--py-spy OUT]
+
+Starts s3rver (data on /dev/shm), uploads the bench model, then runs: a cold load (fresh
+mount, empty caches, page cache dropped), a warm reload, and a remount load (disk cache kept,
+page cache dropped). For each it prints the wall time, the daemon's CPU seconds per GB split
+by thread name (from /proc/PID/task/*/stat), and its peak RSS. ``--py-spy`` records the
+daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from tests.benchmarks import bench_env as env
+from tests.benchmarks.bench_models import t_load
+
+CLK = os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu(pid: int) -> Counter[str]:
+    """CPU seconds of process ``pid``: user and system time of its main thread (the trio
+    thread, which also serves FUSE) and of all other threads (threads that exited are lost)."""
+    out: Counter[str] = Counter()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        who = "main" if task.name == str(pid) else "workers"
+        out[f"{who} user"] += int(fields[11]) / CLK
+        out[f"{who} sys"] += int(fields[12]) / CLK
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--no-cache-dir", action="store_true")
+    p.add_argument("--py-spy", default="")
+    p.add_argument("--perf", default="", help="perf record the daemon's cold load into this file")
+    p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--extra", default="", help="more objfs mount options, space-separated")
+    args = p.parse_args()
+    env.setup_process_env()
+    work = Path(tempfile.mkdtemp(prefix="objfs-prof-"))
+    spec = env.QUICK_MODEL if args.quick else env.FULL_MODEL
+    model = env.build_model(spec, env.REPO / ".bench" / "data")
+    server = env.start_s3rver(work / "s3rver.log")
+    cache = env.PageCache()
+    try:
+        client = env.s3_client(server.url)
+        env.upload_tree(client, model, env.MODEL_BUCKET)
+        nbytes = sum(f.stat().st_size for f in model.iterdir() if f.suffix == ".safetensors")
+        os.environ["AWS_ENDPOINT_URL"] = server.url
+        for run in range(args.runs):
+            cache_dir = None if args.no_cache_dir else work / f"cache{run}"
+            mnt = work / "mnt"
+            cmd = env.objfs_cmd(
+                f"s3://{env.MODEL_BUCKET}",
+                mnt,
+                cache_dir,
+                work / "objfs.log",
+                ["--endpoint-url", server.url, *args.extra.split()],
+            )
+            for phase in ("cold", "remount"):
+                if phase == "remount" and cache_dir is None:
+                    continue
+                cache.drop()
+                with env.mounted("objfs", cmd, mnt, work / "objfs.log") as m:
+                    files = sorted(mnt.glob("*.safetensors"))
+                    for measure in (phase, "warm"):
+                        spy = None
+                        if args.py_spy and measure == phase and run == 0:
+                            out = f"{args.py_spy}.{phase}"
+                            spy = subprocess.Popen(
+                                [
+                                    str(env.VENV_BIN / "py-spy"),
+                                    "record",
+                                    "-p",
+                                    str(m.pid),
+                                    "--threads",
+                                    "-r",
+                                    "100",
+                                    "-f",
+                                    "raw",
+                                    "-o",
+                                    out,
+                                    "--nonblocking",
+                                ],
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                            )
+                            time.sleep(1.5)
+                        if args.perf and measure == phase and run == 0:
+                            spy = subprocess.Popen(
+                                [
+                                    "perf",
+                                    "record",
+                                    "-e",
+                                    "cpu-clock",
+                                    "-g",
+                                    "-p",
+                                    str(m.pid),
+                                    "-o",
+                                    f"{args.perf}.{phase}",
+                                ],
+                                stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL,
+                            )
+                            time.sleep(1.0)
+                        before = thread_cpu(m.pid)
+                        elapsed = t_load(files)
+                        after = thread_cpu(m.pid)
+                        if spy is not None:
+                            spy.send_signal(2)
+                            spy.wait()
+                        used = after - before
+                        total = sum(used.values())
+                        gb = nbytes / 1e9
+                        top = ", ".join(f"{k} {v / gb:.2f}" for k, v in sorted(used.items()))
+                        print(
+                            f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
+                            f"rss {m.peak_rss_mib():.0f} MiB [{top}]",
+                            flush=True,
+                        )
+    finally:
+        server.stop()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
