@@ -5,9 +5,15 @@ sessions are not). Calls run in ``trio.to_thread.run_sync`` under one CapacityLi
 ``max_connections``, and botocore's HTTP pool is sized to match, so no thread ever waits for a
 connection inside botocore (its default pool is only 10).
 
-Retries: botocore's "standard" mode retries throttling, 5xx and connection errors with
-exponential backoff and jitter; this module adds only the one case botocore cannot see, a body
-that ends early, so there is one retry layer per failure kind.
+Data GETs (the bytes of a load) do not go through botocore's request machinery: botocore
+presigns the URL (its endpoint, addressing and credential logic stay in charge), and
+:mod:`objfs.rawhttp` sends the GET on a kept-alive connection and receives the body
+straight into the memory tier's buffers. Behind a proxy from the environment they take
+botocore's path instead.
+
+Retries: one layer per request. Data GETs: objfs's own loop (``max_attempts`` in all, jittered
+backoff) retries connection failures, throttling and 5xx, short bodies and replies for the
+wrong range. Listings and HEADs: botocore's "standard" mode, with the same ``max_attempts``.
 """
 
 from __future__ import annotations
@@ -15,7 +21,10 @@ from __future__ import annotations
 import datetime as _dt
 import logging
 import os
-from collections.abc import AsyncIterator
+import random
+import re
+import time
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import boto3
@@ -24,6 +33,7 @@ import trio
 from botocore import UNSIGNED
 from botocore.config import Config
 
+from objfs import rawhttp
 from objfs.backends.base import Backend, ListPage, ObjectInfo
 from objfs.config import S3Options, redact_url
 from objfs.errors import (
@@ -43,8 +53,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Attempts for a body that ends early or a connection that drops mid-body.
-_BODY_ATTEMPTS = 3
+# Data GETs: presigned URLs live long enough for any retry schedule, short enough to be
+# useless if a log ever held one.
+_URL_EXPIRY_S = 900
+# Retried replies (throttling and server errors); any other status is final.
+_RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
+_RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
+# Backoff before a retry: full jitter from 0 to min(cap, base * 2**retry).
+_BACKOFF_BASE_S = 0.1
+_BACKOFF_CAP_S = 5.0
 # Attempts for the pre-mount check: fail a bad endpoint in seconds, not after a long backoff.
 _CHECK_ATTEMPTS = 2
 
@@ -102,6 +119,15 @@ class S3Backend(Backend):
         self._client = self._make_client(session, endpoint, options.max_attempts)
         self._check_client = self._make_client(session, endpoint, _CHECK_ATTEMPTS)
         self._limiter = trio.CapacityLimiter(options.max_connections)
+        # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
+        # the CA settings botocore would use.
+        ca_file = options.ca_bundle or os.environ.get("AWS_CA_BUNDLE") or None
+        self._data = rawhttp.ConnectionPool(
+            connect_timeout_s=options.connect_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            ca_file=ca_file,
+            max_idle=options.max_connections,
+        )
 
     def _make_client(
         self, session: boto3.session.Session, endpoint: str | None, attempts: int
@@ -244,57 +270,112 @@ class S3Backend(Backend):
         )
 
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
-        blocks = await self.read_blocks(key, etag, start, length, length)
-        return blocks[0]
+        buf = bytearray(length)
+        await self.read_into(key, etag, start, [memoryview(buf)])
+        return bytes(buf)
 
-    async def read_blocks(
-        self, key: str, etag: str, start: int, length: int, block_size: int
-    ) -> list[bytes]:
+    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        length = sum(len(v) for v in views)
         what = f"GET s3://{self.bucket}/{key} bytes {start}-{start + length - 1}"
-        sizes = [min(block_size, length - i) for i in range(0, length, block_size)]
-        expected_range = f"bytes {start}-{start + length - 1}/"
-
-        def fetch() -> list[bytes]:
-            kwargs: dict[str, Any] = {
-                "Bucket": self.bucket,
-                "Key": key,
-                "Range": f"bytes={start}-{start + length - 1}",
-            }
-            if etag:
-                kwargs["IfMatch"] = etag
-            last: Exception | None = None
-            for _ in range(_BODY_ATTEMPTS):
-                try:
-                    resp = self._client.get_object(**kwargs)
-                    body: Any = resp["Body"]
-                    got_range = str(resp.get("ContentRange", ""))
-                    whole = not got_range and start == 0 and resp.get("ContentLength") == length
-                    if not (whole or got_range.startswith(expected_range)):
-                        # Bytes of another range (a broken proxy or server): never pass them on.
-                        body.close()
-                        last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
-                        continue
-                    raw = body._raw_stream  # the urllib3 response: exact-size reads, no join
-                    try:
-                        blocks = [raw.read(n) for n in sizes]
-                    finally:
-                        body.close()
-                except _BODY_ERRORS as exc:
-                    last = exc
-                    continue
-                except Exception as exc:  # urllib3's own protocol errors mid-body
-                    if type(exc).__module__.startswith("urllib3"):
-                        last = exc
-                        continue
-                    raise
-                got = sum(len(b) for b in blocks)
-                if got == length:
-                    return blocks
-                last = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
-            assert last is not None
-            raise last
-
         try:
-            return await trio.to_thread.run_sync(fetch, limiter=self._limiter)
+            await trio.to_thread.run_sync(
+                self._get_into, what, key, etag, start, views, limiter=self._limiter
+            )
         except Exception as exc:
             raise self._map_error(exc, what) from exc
+
+    def _get_into(
+        self, what: str, key: str, etag: str, start: int, views: Sequence[memoryview]
+    ) -> None:
+        """(Worker thread) One ranged GET into ``views``, with objfs's one retry layer:
+        connection failures, 5xx/throttling, short bodies and wrong ranges are retried
+        ``max_attempts`` times in all, with jittered backoff; any other reply is final."""
+        length = sum(len(v) for v in views)
+        expected_range = f"bytes {start}-{start + length - 1}/"
+        headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
+        if etag:
+            headers["If-Match"] = etag
+        last: Exception | None = None
+        for attempt in range(max(1, self.options.max_attempts)):
+            if attempt:
+                time.sleep(_backoff_s(attempt - 1))
+            # Signed anew for every attempt: credentials may have been refreshed.
+            url = self._client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_URL_EXPIRY_S
+            )
+            if rawhttp.uses_proxy(url):
+                self._get_into_via_sdk(what, key, etag, start, views)
+                return
+            try:
+                reply = self._data.get_into(url, headers, views)
+            except rawhttp.ConnectionFailed as exc:
+                last = TransientStoreError(f"{what}: connection failed ({exc})")
+                continue
+            if reply.status in (200, 206):
+                got_range = reply.headers.get("Content-Range", "")
+                whole = reply.status == 200 and start == 0
+                if not (whole or got_range.startswith(expected_range)):
+                    # Bytes of another range (a broken proxy or server): never pass them on.
+                    last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
+                    continue
+                if reply.received == length:
+                    return
+                last = TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
+                continue
+            code = _error_code(reply.error_body) or str(reply.status)
+            # The SDK's error shape, so that one table (_map_error) maps every request's errors.
+            response: Any = {
+                "Error": {"Code": code, "Message": ""},
+                "ResponseMetadata": {"HTTPStatusCode": reply.status},
+            }
+            error = botocore.exceptions.ClientError(response, "GetObject")
+            if reply.status in _RETRY_STATUSES or code in _RETRY_CODES:
+                last = self._map_error(error, what)
+                continue
+            raise error
+        assert last is not None
+        raise last
+
+    def _get_into_via_sdk(
+        self, what: str, key: str, etag: str, start: int, views: Sequence[memoryview]
+    ) -> None:
+        """(Worker thread) The same GET through botocore, for endpoints behind a proxy from
+        the environment (botocore's retries apply; the body is copied once more)."""
+        length = sum(len(v) for v in views)
+        kwargs: dict[str, Any] = {
+            "Bucket": self.bucket,
+            "Key": key,
+            "Range": f"bytes={start}-{start + length - 1}",
+        }
+        if etag:
+            kwargs["IfMatch"] = etag
+        resp = self._client.get_object(**kwargs)
+        got_range = str(resp.get("ContentRange", ""))
+        body: Any = resp["Body"]
+        try:
+            if not (
+                (not got_range and start == 0)
+                or got_range.startswith(f"bytes {start}-{start + length - 1}/")
+            ):
+                raise TransientStoreError(f"{what}: the reply is for {got_range!r}")
+            for view in views:
+                data = body.read(len(view))
+                if len(data) != len(view):
+                    raise TransientStoreError(f"{what}: the body ended early")
+                view[:] = data
+        finally:
+            body.close()
+
+    async def aclose(self) -> None:
+        self._data.close()
+
+
+def _backoff_s(retry: int) -> float:
+    """Sleep before retry ``retry`` (from 0): full jitter, capped."""
+    return random.uniform(0.0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**retry))
+
+
+def _error_code(body: bytes) -> str:
+    """The ``<Code>`` of an S3 error document, or ""."""
+    match = re.search(rb"<Code>([^<]{1,100})</Code>", body)
+    return match.group(1).decode("ascii", "replace") if match else ""
