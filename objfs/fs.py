@@ -78,6 +78,9 @@ class Node:
     mtime_ns: int = 0
     checked_at: float = -float("inf")  # monotonic time the attributes were last confirmed
     page_cache_etag: str | None = None  # version whose pages the kernel may hold
+    # One byte per block of that version: 1 once the block was served whole to the kernel
+    # (its page cache holds it now, so read-ahead need not fetch it again).
+    served: bytearray = field(default_factory=bytearray)
 
 
 @dataclass
@@ -98,6 +101,7 @@ class Handle:
     etag: str
     size: int
     readahead: Readahead
+    served: bytearray  # the node's, for this version (see Node.served)
 
 
 @dataclass
@@ -362,6 +366,8 @@ class FileSystem:
             raise IsADirectoryFsError(f"{node.key!r} is a directory")
         await self._refresh_file(node)
         keep_cache = node.page_cache_etag == node.etag
+        if not keep_cache:  # the kernel drops the inode's pages on this open
+            node.served = bytearray(_ceil_div(node.size, self.block_size))
         node.page_cache_etag = node.etag
         fh = self._new_fh()
         readahead = Readahead(
@@ -369,7 +375,7 @@ class FileSystem:
             initial_window=self.config.readahead_initial_bytes,
             max_window=self.config.readahead_max(),
         )
-        handle = Handle(fh, node, node.key, node.etag, node.size, readahead)
+        handle = Handle(fh, node, node.key, node.etag, node.size, readahead, node.served)
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
         self._share_windows()
@@ -380,7 +386,9 @@ class FileSystem:
                 # again for its data, and the prefetch should outlive the first open. Its
                 # blocks still belong to the version's handles: if they all close first, the
                 # blocks go first when memory is short (see objfs.block_cache).
-                self.fetcher.prefetch(handle, whole, cancellable=False)
+                self.fetcher.prefetch(
+                    handle, whole, cancellable=False, stream=readahead.last_stream
+                )
         return fh, keep_cache
 
     def _share_windows(self) -> None:
@@ -422,7 +430,9 @@ class FileSystem:
             return b""
         window = handle.readahead.on_read(offset, end - offset)
         if window is not None:
-            self.fetcher.prefetch(handle, window, cancellable=True)
+            self.fetcher.prefetch(
+                handle, window, cancellable=True, stream=handle.readahead.last_stream
+            )
         elif handle.readahead.last_random:
             data = await self._read_random(handle, offset, end)
             if data is not None:
@@ -447,6 +457,8 @@ class FileSystem:
     async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | bytes:
         """Block ``index`` of the handle's version, from the memory tier or fetched now."""
         key = self.fetcher.key(handle, index)
+        if to_end:
+            handle.served[index] = 1
         data = self.cache.get_nowait(key, to_end=to_end)
         if data is not None:
             return data

@@ -8,7 +8,10 @@ order is one stream, but several processes reading one file through one descript
 * a read continues a stream when it starts between ``BACKWARD_TOLERANCE`` (or the stream's
   window, if larger) before and ``FORWARD_TOLERANCE`` after the stream's next expected offset
   (the kernel reorders and skips a little);
-* a continued stream doubles its window, from ``initial_window`` up to ``max_window``;
+* a continued stream doubles its window, from ``initial_window`` up to its share of
+  ``max_window`` (the handle's read-ahead budget, split evenly among its streams: sixteen
+  readers of one file must not each ask for the whole budget, or their prefetches evict each
+  other's unread blocks);
 * a read that continues no stream starts one; at offset 0 it is presumed sequential (files
   are read from the start), elsewhere it is random until its next read continues it, and a
   random read fetches only the blocks it touches.
@@ -26,8 +29,9 @@ MiB = 1024 * 1024
 # faults arrive slightly out of order.
 FORWARD_TOLERANCE = 16 * MiB
 BACKWARD_TOLERANCE = 1 * MiB
-# More streams than this on one handle are treated as random access.
-MAX_STREAMS = 8
+# More streams than this on one handle are treated as random access (torch_io and
+# safetensors-style loaders read one file from up to 16 threads).
+MAX_STREAMS = 16
 
 
 @dataclass
@@ -49,6 +53,9 @@ class Readahead:
         self._clock = 0
         # The last read continued no stream and did not start at offset 0: random access.
         self.last_random = False
+        # The stream the last read (or start_whole_file) continued or started: the owner of
+        # the range just returned, so that a prefetch its reader has overtaken is dropped.
+        self.last_stream: Stream | None = None
 
     def _match(self, offset: int) -> Stream | None:
         for stream in self.streams:
@@ -73,9 +80,11 @@ class Readahead:
                 self.streams.remove(min(self.streams, key=lambda s: s.last_used))
             self.streams.append(stream)
         else:
-            stream.window = min(max(stream.window * 2, self.initial_window), self.max_window)
+            share = max(self.initial_window, self.max_window // len(self.streams))
+            stream.window = min(max(stream.window * 2, self.initial_window), share)
             stream.next_offset = max(stream.next_offset, end)
             stream.last_used = self._clock
+        self.last_stream = stream
         start = max(stream.scheduled_until, end)
         stop = min(self.size, stream.next_offset + stream.window)
         if stop <= start:
@@ -83,9 +92,13 @@ class Readahead:
         stream.scheduled_until = stop
         return start, stop
 
-    def passed(self, offset: int) -> bool:
-        """True if every stream has read beyond ``offset`` (prefetching before it is late)."""
-        return bool(self.streams) and all(s.next_offset >= offset for s in self.streams)
+    def overtaken(self, stream: Stream, offset: int) -> int:
+        """Where a prefetch for ``stream`` should start now, given it was asked from
+        ``offset``: past what the stream's reader has read already; the file's size if the
+        stream is gone (its reader went elsewhere)."""
+        if stream not in self.streams:
+            return self.size
+        return max(offset, stream.next_offset)
 
     def start_whole_file(self) -> tuple[int, int] | None:
         """Presume a sequential reader from offset 0 at full window (e.g. safetensors files,
@@ -94,5 +107,6 @@ class Readahead:
             return None
         stop = min(self.size, self.max_window)
         self._clock += 1
-        self.streams.append(Stream(0, self.max_window, stop, self._clock))
+        self.last_stream = Stream(0, self.max_window, stop, self._clock)
+        self.streams.append(self.last_stream)
         return 0, stop

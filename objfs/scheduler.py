@@ -42,6 +42,7 @@ from objfs.backends.base import Backend
 from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
 from objfs.disk_cache import DiskCache
 from objfs.errors import StaleObjectError
+from objfs.readahead import Stream
 
 if TYPE_CHECKING:
     from objfs.fs import Handle
@@ -70,6 +71,7 @@ class _Job:
     first: int
     stop: int
     claim: Claim | None  # claimed when queued, or not yet
+    stream: Stream | None  # the read-ahead stream that asked for it
     scope: trio.CancelScope = field(default_factory=trio.CancelScope)
 
 
@@ -132,8 +134,20 @@ class Fetcher:
 
     # -- read-ahead ------------------------------------------------------------------------
 
-    def prefetch(self, handle: Handle, window: tuple[int, int], *, cancellable: bool) -> None:
-        """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts."""
+    def prefetch(
+        self,
+        handle: Handle,
+        window: tuple[int, int],
+        *,
+        cancellable: bool,
+        stream: Stream | None = None,
+    ) -> None:
+        """Queue the blocks of byte range ``window`` for read-ahead, in whole aligned parts.
+
+        ``stream``: the stream that asked. A job that waits for memory is trimmed to what its
+        stream has not read yet when it runs (dropped if nothing is left, or if the stream is
+        gone): with many readers on one file, a late job would otherwise fetch again blocks
+        its readers already read and the cache already evicted."""
         if self._nursery is None:
             return
         bs, part = self.block_size, self.part_blocks
@@ -145,13 +159,13 @@ class Fetcher:
         index = first
         while index < stop:
             part_end = min(stop, (index // part + 1) * part)
-            keys = [self.key(handle, i) for i in range(index, part_end)]
+            keys = [self.key(handle, i) for i in range(index, part_end) if not handle.served[i]]
             if not all(self.cache.is_cached_or_pending(k) for k in keys):
                 # Claim now if memory allows, so a reader arriving next waits for this fetch
                 # instead of sending its own; otherwise the job waits for memory first.
                 claim = self._try_claim(handle, index, part_end, demand=False)
                 if claim is None or claim.keys:
-                    job = _Job(handle, index, part_end, claim)
+                    job = _Job(handle, index, part_end, claim, stream)
                     if cancellable:
                         self._jobs_of.setdefault(handle.fh, set()).add(job)
                     self._jobs.append(job)
@@ -212,7 +226,10 @@ class Fetcher:
             if job.scope.cancel_called:
                 continue
             if job.claim is None:
-                if job.handle.readahead.passed(job.stop * self.block_size):
+                if job.stream is not None:
+                    start = job.handle.readahead.overtaken(job.stream, job.first * self.block_size)
+                    job.first = max(job.first, start // self.block_size)
+                if job.first >= job.stop:
                     self._forget_job(job)
                     continue  # the readers got there first (their own fetches did the work)
                 job.claim = self._try_claim(job.handle, job.first, job.stop, demand=False)
@@ -268,28 +285,33 @@ class Fetcher:
     # -- fetching --------------------------------------------------------------------------
 
     def _try_claim(self, handle: Handle, first: int, stop: int, *, demand: bool) -> Claim | None:
-        total = sum(self.length(handle, i) for i in range(first, stop))
+        """Read-ahead's claim: reserve memory for [first, stop) now or return None, then
+        claim the blocks nobody has, is fetching, or has served to the kernel already."""
+        wanted = [i for i in range(first, stop) if not handle.served[i]]
+        total = sum(self.length(handle, i) for i in wanted)
         reservation = self.cache.try_reserve(total, demand=demand)
         if reservation is None:
             return None
-        return self._claim_reserved(handle, first, stop, reservation)
+        return self._claim_reserved(handle, wanted, reservation)
 
     def _claim_reserved(
-        self, handle: Handle, first: int, stop: int, reservation: Reservation
+        self, handle: Handle, indexes: list[int], reservation: Reservation
     ) -> Claim:
-        """With memory reserved for [first, stop): claim the blocks nobody has or is fetching,
-        give back the bytes of the others."""
-        claimed = self.cache.claim([self.key(handle, i) for i in range(first, stop)])
+        """With memory reserved for the blocks ``indexes``: claim those nobody has or is
+        fetching, give back the bytes of the others."""
+        claimed = self.cache.claim([self.key(handle, i) for i in indexes])
         needed = sum(self.length(handle, k.block) for k in claimed)
         reservation.give_back(reservation.remaining - needed)
         return Claim(claimed, reservation)
 
     async def fetch_blocks(self, handle: Handle, first: int, stop: int, *, demand: bool) -> None:
         """Fetch blocks [first, stop) that nobody else has or is fetching into the cache."""
-        total = sum(self.length(handle, i) for i in range(first, stop))
-        reservation = await self.cache.reserve(total, demand=demand)
+        indexes = list(range(first, stop))
+        reservation = await self.cache.reserve(
+            sum(self.length(handle, i) for i in indexes), demand=demand
+        )
         await self._fetch(
-            handle, demand=demand, claim=self._claim_reserved(handle, first, stop, reservation)
+            handle, demand=demand, claim=self._claim_reserved(handle, indexes, reservation)
         )
 
     async def _fetch(self, handle: Handle, *, demand: bool, claim: Claim) -> None:
