@@ -15,22 +15,36 @@ config and tokenizer files) and 1,000 small objects. Every method reads the same
 * objfs, s3fs-fuse (``parallel_count``/``multipart_size`` set like objfs's connections and part
   size), rclone mount (``--vfs-cache-mode full`` and ``off``), Run:ai Model Streamer, and the
   copy-first baseline (boto3 ``download_file`` of the shards, then the same load from disk);
-* local disk: the same load and ``cat`` of the model's local copy.
+* local disk: the same load and ``cat`` of the model's local copy;
+* the binding ceiling (``binding_ceiling.py``): the model's local copy read into memory and
+  served by a minimal pyfuse3 file system with objfs's mount options and kernel tuning, the
+  fastest a load through this FUSE binding can be on this machine (objfs's remount target:
+  at least 0.8x its throughput).
 
 "Load" is ``safetensors.torch.load_file`` of every shard followed by touching one byte in every
 4 KiB page of every tensor (what a loader's first use does; summing every byte would hide the
 I/O behind seconds of CPU). "Cold" means a fresh mount with empty caches and the page cache
 dropped; "warm" a second load right after; "remount" a load after unmount and mount again with
-the disk cache kept (page cache dropped).
+the disk cache kept (page cache dropped). For every FUSE method (the binding ceiling included)
+the daemon's CPU seconds (user + system: its threads and children) during each load are divided
+by the GB the load read (the shards' bytes): "daemon CPU s per GB", cold / warm / remount.
 
-A second pass puts the shaping proxy (10 ms to each response's first byte, 50 MB/s per
+A tensor-parallel pass runs 4 processes at once that each ``load_file`` every shard and touch one
+byte per 4 KiB page of their quarter of every tensor's bytes (rank r the r-th quarter), as TP
+ranks do: objfs (fresh mount, ``--cache-dir``), s3fs, one Run:ai streamer per rank (each
+streams every shard) and copy first (one download, then the 4 ranks load the local copy). It
+reports the wall time (from all ranks ready to the last one done) and the bytes s3rver sent
+(its own write counter, ``wchar`` in /proc/PID/io) over the model's bytes.
+
+A shaped pass puts the shaping proxy (10 ms to each response's first byte, 50 MB/s per
 connection) between every method and the server. An Azure pass runs objfs against Azurite next
 to raw ranged GETs and rclone's azureblob mount.
 
-Rounds go over all methods in turn, so drift spreads evenly. objfs and local disk run every
-measure ``--runs`` times. Peers and ceilings run their cold load up to ``--runs`` times, fewer
-when one run is slow (``--method-budget-s``, ``--shaped-budget-s``), and their other measures
-once (``--peer-detail-runs``); no new round starts after ``--max-minutes``. The JSON keeps every
+Rounds go over all methods in turn, so drift spreads evenly. objfs, local disk and the binding
+ceiling run every measure ``--runs`` times. Peers and ceilings run their cold load (and, in the
+tensor-parallel pass, their 4-rank load) up to ``--runs`` times, fewer when one run is slow
+(``--method-budget-s``, ``--shaped-budget-s``), and their other measures once
+(``--peer-detail-runs``); no new round starts after ``--max-minutes``. The JSON keeps every
 run's figure. This is a script, not a test: pytest does not collect it.
 """
 
@@ -42,7 +56,9 @@ import gc
 import http.client
 import json
 import math
+import multiprocessing
 import os
+import queue
 import random
 import shutil
 import statistics
@@ -55,6 +71,7 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -68,16 +85,22 @@ RESULTS = env.REPO / ".bench" / "results.json"
 SHAPED_DELAY_S = 0.010
 SHAPED_RATE = 50e6
 AZ_CONTAINER = "bench"
+TP_RANKS = 4  # the tensor-parallel measure's processes
+TP_START_TIMEOUT_S = 300.0  # for the ranks' imports, on a busy machine
 
 # -- measures -------------------------------------------------------------------------------------
 
 
-def touch_pages(tensors: dict[str, Any]) -> int:
+def touch_pages(tensors: dict[str, Any], rank: int = 0, world: int = 1) -> int:
+    """Read one byte in every 4 KiB page of every tensor; with ``world`` > 1, only in the
+    ``rank``-th of ``world`` equal slices of each tensor's flattened bytes (a TP rank's part)."""
     import torch
 
     total = 0
     for tensor in tensors.values():
         raw = tensor.reshape(-1).view(torch.uint8)
+        n = raw.numel()
+        raw = raw[n * rank // world : n * (rank + 1) // world]
         if raw.numel():
             total += int(raw[::PAGE].sum()) + int(raw[-1])
     return total
@@ -230,6 +253,11 @@ class Bench:
     def local_shards(self) -> list[Path]:
         return [self.model_dir / name for name in env.SHARDS]
 
+    @cached_property
+    def model_bytes(self) -> int:
+        """The bytes a load reads: the shards'."""
+        return sum(p.stat().st_size for p in self.local_shards)
+
     def fresh(self, kind: str) -> tuple[Path, Path]:
         """A new mountpoint and an empty cache folder."""
         n = next(self.mount_ids)
@@ -294,6 +322,23 @@ def _rmtree(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+def load_with_cpu(
+    b: Bench,
+    m: env.MountProc,
+    shards: list[Path],
+    phase: str,
+    out: dict[str, float],
+    extra: dict[str, Any],
+) -> None:
+    """``t_load`` as the measure ``{phase}_load``, and the daemon's CPU seconds meanwhile:
+    as they are in ``extra``, per GB loaded (the shards' bytes) in ``out``."""
+    cpu0 = m.cpu_s()
+    out[f"{phase}_load"] = t_load(shards)
+    cpu = m.cpu_s() - cpu0
+    extra["daemon_cpu_s" if phase == "cold" else f"{phase}_daemon_cpu_s"] = cpu
+    out[f"daemon_cpu_per_gb_{phase}"] = cpu / (b.model_bytes / 1e9)
+
+
 def fuse_run(b: Bench, kind: FuseKind, url: str, full: bool) -> dict[str, float]:
     """One round of measures for one FUSE client; ``full=False``: cold load only.
 
@@ -312,22 +357,19 @@ def fuse_run(b: Bench, kind: FuseKind, url: str, full: bool) -> dict[str, float]
             b.drop(shards)
             if b.proxy and pass_ == "shaped":
                 b.proxy.reset()
-            cpu0 = m.cpu_s()
-            out["cold_load"] = t_load(shards)
-            extra["daemon_cpu_s"] = m.cpu_s() - cpu0
+            load_with_cpu(b, m, shards, "cold", out, extra)
             extra["daemon_peak_rss_mib"] = m.peak_rss_mib()
+            extra["kernel"] = env.fuse_tuning(mnt)
             if b.proxy and pass_ == "shaped":
                 extra["proxy"] = b.proxy.stats()
             if full and (kind.name == "objfs" or b.round < b.args.peer_detail_runs):
-                out["warm_load"] = t_load(shards)
+                load_with_cpu(b, m, shards, "warm", out, extra)
         if full and kind.persistent_cache:
             b.drop()
             with kind.mount(b, url, env.MODEL_BUCKET, mnt, cache) as m:
                 shards = [mnt / s for s in env.SHARDS]
                 b.drop(shards)
-                cpu0 = m.cpu_s()
-                out["remount_load"] = t_load(shards)
-                extra["remount_daemon_cpu_s"] = m.cpu_s() - cpu0
+                load_with_cpu(b, m, shards, "remount", out, extra)
     finally:
         _rmtree(cache)
     out["_core_s"] = time.perf_counter() - round_start
@@ -382,14 +424,38 @@ def objfs_nocache_run(b: Bench, url: str) -> dict[str, float]:
     cmd = env.objfs_cmd(
         f"s3://{env.MODEL_BUCKET}", mnt, None, b.log(f"objfs-{mnt.name}"), ["--endpoint-url", url]
     )
+    out: dict[str, float] = {}
+    extra: dict[str, Any] = {}
     with env.mounted("objfs", cmd, mnt, b.log("objfs-stdout")) as m:
         shards = [mnt / s for s in env.SHARDS]
         b.drop(shards)
-        cpu0 = m.cpu_s()
-        cold = t_load(shards)
-        pass_ = "shaped" if b.proxy and url == b.proxy.url else "s3"
-        b.results.extra(pass_, NOCACHE, {"daemon_cpu_s": m.cpu_s() - cpu0})
-    return {"cold_load": cold}
+        load_with_cpu(b, m, shards, "cold", out, extra)
+        extra["daemon_peak_rss_mib"] = m.peak_rss_mib()
+    pass_ = "shaped" if b.proxy and url == b.proxy.url else "s3"
+    b.results.extra(pass_, NOCACHE, extra)
+    return out
+
+
+def binding_run(b: Bench) -> dict[str, float]:
+    """The binding ceiling (binding_ceiling.py: the model served from memory by a minimal
+    pyfuse3 file system, objfs's mount options and kernel tuning): cold and warm load on a
+    fresh mount, then a load after unmount and mount again, the page cache dropped."""
+    out: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+    mnt, _ = b.fresh("binding")
+    cmd = env.binding_ceiling_cmd(b.model_dir, mnt)
+    python_path = [str(env.REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    child_env: dict[str, str | None] = {"PYTHONPATH": os.pathsep.join(python_path)}
+    for phases in (("cold", "warm"), ("remount",)):
+        with env.mounted("binding ceiling", cmd, mnt, b.log("binding-ceiling"), child_env) as m:
+            shards = [mnt / s for s in env.SHARDS]
+            b.drop(shards)
+            for phase in phases:
+                load_with_cpu(b, m, shards, phase, out, extra)
+            extra.setdefault("daemon_peak_rss_mib", m.peak_rss_mib())
+            extra.setdefault("kernel", env.fuse_tuning(mnt))
+    b.results.extra("s3", BINDING, extra)
+    return out
 
 
 def torch_io_run(b: Bench) -> dict[str, float]:
@@ -543,6 +609,150 @@ def copy_first_run(b: Bench, url: str) -> dict[str, float]:
     return {"cold_load": download + load, "download": download}
 
 
+# -- tensor parallel: 4 ranks load the same model at once ------------------------------------------
+
+
+def _tp_rank(
+    rank: int,
+    world: int,
+    sources: list[str],
+    runai_env: dict[str, str] | None,
+    barrier: Any,
+    results: Any,
+) -> None:
+    """One tensor-parallel rank, in a spawned process: ``load_file`` of every shard, then one
+    byte read per 4 KiB page of the rank-th quarter of every tensor's bytes. With
+    ``runai_env`` (added to the environment) the rank streams every shard (``sources`` are
+    s3:// URIs) with its own Run:ai Model Streamer instead. Imports happen before the barrier,
+    so the parent's clock starts when every rank is ready."""
+    try:
+        if runai_env is None:
+            from safetensors.torch import load_file
+        else:
+            os.environ.update(runai_env)
+            sys.path.insert(0, str(env.RUNAI_SITE))  # this process only, as bench_runai.py
+            from runai_model_streamer import SafetensorsStreamer
+        barrier.wait(timeout=TP_START_TIMEOUT_S)
+        if runai_env is None:
+            for source in sources:
+                tensors = load_file(source)
+                touch_pages(tensors, rank, world)
+                del tensors
+        else:
+            with SafetensorsStreamer() as streamer:
+                streamer.stream_files(sources)
+                for name, tensor in streamer.get_tensors():
+                    touch_pages({name: tensor}, rank, world)
+        results.put({"rank": rank})
+    except BaseException as exc:  # reported by the parent
+        barrier.abort()
+        results.put({"rank": rank, "error": f"{type(exc).__name__}: {exc}"})
+
+
+def tp_load(sources: list[str], runai_env: dict[str, str] | None = None) -> float:
+    """Seconds from the moment ``TP_RANKS`` ranks are all ready (imports done) until the last
+    of them has loaded ``sources`` (see ``_tp_rank``)."""
+    ctx = multiprocessing.get_context("spawn")
+    barrier = ctx.Barrier(TP_RANKS + 1)
+    results = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_tp_rank,
+            args=(rank, TP_RANKS, sources, runai_env, barrier, results),
+            daemon=True,
+        )
+        for rank in range(TP_RANKS)
+    ]
+    for proc in procs:
+        proc.start()
+    try:
+        with contextlib.suppress(threading.BrokenBarrierError):  # a rank failed: it says why
+            barrier.wait(timeout=TP_START_TIMEOUT_S)
+        start = time.perf_counter()
+        deadline = time.monotonic() + 600
+        finished = 0
+        while finished < TP_RANKS:
+            try:
+                msg = results.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tensor-parallel ranks died (exit codes {dead}) or ran past 600 s"
+                    ) from None
+                continue
+            if "error" in msg:
+                raise RuntimeError(f"rank {msg['rank']}: {msg['error']}")
+            finished += 1
+        return time.perf_counter() - start
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+
+
+def _tp_measure(b: Bench, load: Callable[[], float]) -> dict[str, float]:
+    """``load``'s seconds, and the bytes s3rver sent meanwhile (its own counter)."""
+    before = b.s3.bytes_sent()
+    wall = load()
+    fetched = b.s3.bytes_sent() - before
+    return {"wall": wall, "fetched_bytes": fetched, "fetched_x": fetched / b.model_bytes}
+
+
+def _tp_jobs(b: Bench) -> dict[str, Callable[[], dict[str, float]]]:
+    """Methods of the tensor-parallel pass: objfs (with --cache-dir) and s3fs on a fresh mount,
+    the page cache dropped; one Run:ai streamer per rank; copy first (one download, then the
+    ranks load the local copy)."""
+    url = b.s3.url
+
+    def fuse(kind: FuseKind) -> Callable[[], dict[str, float]]:
+        def run() -> dict[str, float]:
+            mnt, cache = b.fresh(f"tp-{kind.name.replace(' ', '-')}")
+            try:
+                with kind.mount(b, url, env.MODEL_BUCKET, mnt, cache):
+                    shards = [mnt / s for s in env.SHARDS]
+                    b.drop(shards)
+                    return _tp_measure(b, lambda: tp_load([str(p) for p in shards]))
+            finally:
+                _rmtree(cache)
+
+        return run
+
+    def runai() -> dict[str, float]:
+        runai_env = {"AWS_ENDPOINT_URL": url, "RUNAI_STREAMER_S3_USE_VIRTUAL_ADDRESSING": "0"}
+        uris = [f"s3://{env.MODEL_BUCKET}/{s}" for s in env.SHARDS]
+        return _tp_measure(b, lambda: tp_load(uris, runai_env))
+
+    def copy_first() -> dict[str, float]:
+        client = env.s3_client(url)
+        dest = b.work / "tp-copy-first"
+        _rmtree(dest)
+        dest.mkdir(parents=True)
+        timing: dict[str, float] = {}
+
+        def load() -> float:
+            start = time.perf_counter()
+            for shard in env.SHARDS:
+                client.download_file(env.MODEL_BUCKET, shard, str(dest / shard))
+            timing["download"] = time.perf_counter() - start
+            return timing["download"] + tp_load([str(dest / s) for s in env.SHARDS])
+
+        try:
+            return {**_tp_measure(b, load), **timing}
+        finally:
+            client.close()
+            _rmtree(dest)
+
+    return {
+        "objfs": fuse(FUSE_KINDS["objfs"]),
+        "s3fs": fuse(FUSE_KINDS["s3fs"]),
+        "Run:ai streamer": runai,
+        "copy first": copy_first,
+    }
+
+
 # -- Azure: objfs over Azurite against raw ranged GETs and rclone's azureblob mount ---------------
 
 
@@ -694,8 +904,12 @@ def azure_raw_run(port: int, sizes: dict[str, int], sas: str, threads: int | Non
 # -- rounds ---------------------------------------------------------------------------------------
 
 
+# objfs without --cache-dir: the cold load alone, to show what the persistent cache costs.
+NOCACHE = "objfs, no --cache-dir"
+# The model served from memory by a minimal pyfuse3 file system (binding_ceiling.py).
+BINDING = "binding ceiling (pyfuse3, memory)"
 # Every run of these is kept: the targets are about them.
-UNBUDGETED = frozenset({"objfs", "objfs torch_io", "local disk"})
+UNBUDGETED = frozenset({"objfs", "objfs torch_io", "local disk", BINDING})
 
 
 def _wanted(name: str, only: list[str]) -> bool:
@@ -704,11 +918,14 @@ def _wanted(name: str, only: list[str]) -> bool:
 
 def run_rounds(b: Bench, pass_: str, jobs: dict[str, Callable[[], dict[str, float]]]) -> None:
     """Round-robin ``--runs`` rounds over ``jobs``; slow jobs get fewer rounds."""
+    if not jobs:
+        return
     allowed = dict.fromkeys(jobs, b.args.runs)
+    ran = dict.fromkeys(jobs, 0)
     for rnd in range(b.args.runs):
         if rnd and time.monotonic() > b.deadline:
             for name in jobs:
-                if len(b.results.values(pass_, name, "cold_load")) < allowed[name]:
+                if ran[name] < allowed[name]:
                     b.results.note(pass_, name, "fewer runs: --max-minutes reached")
             print(f"  [{pass_}] --max-minutes reached: no more rounds", flush=True)
             break
@@ -733,6 +950,7 @@ def run_rounds(b: Bench, pass_: str, jobs: dict[str, Callable[[], dict[str, floa
             # What a later round will cost: the core measures only, where the job says so.
             core = values.pop("_core_s", took)
             b.results.add(pass_, name, values)
+            ran[name] += 1
             shown = ", ".join(f"{k} {_fmt_value(k, v)}" for k, v in values.items())
             print(f"  [{pass_}] run {rnd + 1} {name} ({took:.0f} s): {shown}", flush=True)
             budget = b.args.shaped_budget_s if pass_ == "shaped" else b.args.method_budget_s
@@ -751,14 +969,18 @@ def run_rounds(b: Bench, pass_: str, jobs: dict[str, Callable[[], dict[str, floa
 def _fmt_value(key: str, value: float) -> str:
     if key.startswith(("rand4k", "config", "rtt")):
         return f"{value * 1e3:.1f} ms"
+    if key.startswith("daemon_cpu_per_gb"):
+        return f"{value:.2f} CPU s/GB"
+    if key == "fetched_bytes":
+        return f"{value / 1e9:.2f} GB"
+    if key == "fetched_x":
+        return f"{value:.2f}x the model"
     return f"{value:.2f} s"
 
 
 # -- report ---------------------------------------------------------------------------------------
 
 PEERS = ("s3fs", "rclone full", "rclone off", "Run:ai streamer")
-# objfs without --cache-dir: the cold load alone, to show what the persistent cache costs.
-NOCACHE = "objfs, no --cache-dir"
 CEILINGS = ("ceiling: 1 GET/file", "ceiling: 8 MiB x 8", "ceiling: 8 MiB x 32")
 
 
@@ -822,6 +1044,11 @@ def summarize(r: Results, meta: dict[str, Any]) -> dict[str, Any]:
             "remount load <= 1.3x local cold cat",
             r.median("s3", "objfs", "remount_load"),
             1.3 * r.median("s3", "local disk", "cold_cat"),
+        ),
+        (
+            "remount load >= 0.8x the binding ceiling's throughput",
+            r.median("s3", "objfs", "remount_load"),
+            r.median("s3", BINDING, "remount_load") / 0.8,
         ),
         (
             "warm reload <= 1.2x local warm load",
@@ -888,7 +1115,7 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
         )
     )
     add("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for name in (*CEILINGS, "objfs", NOCACHE, *PEERS, "copy first", "local disk"):
+    for name in (*CEILINGS, "objfs", NOCACHE, *PEERS, "copy first", "local disk", BINDING):
         cold = r.median("s3", name, "cold_load")
         shaped = r.median("shaped", name, "cold_load")
         add(
@@ -920,15 +1147,23 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
             "ls -lR 1,000 objects s",
             "4 KiB random p50 / p99 ms (shard)",
             "4 KiB random p50 / p99 ms (other file)",
-            "daemon CPU s (cold load)",
+            "daemon CPU s per GB: cold / warm / remount load",
             "daemon peak RSS MiB",
             "shaped: GETs / connections / peak open",
         )
     )
     add("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for name in ("objfs", "s3fs", "rclone full", "rclone off", "Run:ai streamer", "copy first"):
+    for name in (
+        "objfs",
+        NOCACHE,
+        "s3fs",
+        "rclone full",
+        "rclone off",
+        BINDING,
+        "Run:ai streamer",
+        "copy first",
+    ):
         ex = r.extras.get("s3", {}).get(name, [])
-        cpu = [e["daemon_cpu_s"] for e in ex if "daemon_cpu_s" in e]
         rss = [e["daemon_peak_rss_mib"] for e in ex if "daemon_peak_rss_mib" in e]
         add(
             _row(
@@ -937,7 +1172,7 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                 _cell(r, "s3", name, "ls_lR"),
                 _pair(r, "s3", name, "rand4k_shard"),
                 _pair(r, "s3", name, "rand4k_bin"),
-                f"{statistics.median(cpu):.1f}" if cpu else "",
+                _cpu_cell(r, name),
                 f"{max(rss):.0f}" if rss else "",
                 _proxy_cell(r, name),
             )
@@ -946,6 +1181,12 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
         if r.values(pass_, "server", "rtt4k_p50"):
             pair = _pair(r, pass_, "server", "rtt4k")
             add(_row(f"server: one 4 KiB ranged GET ({label})", "", "", pair, pair, "", "", ""))
+    if r.cells.get("tp"):
+        add("")
+        add(f"| tensor parallel: {TP_RANKS} ranks at once, cold | wall s | fetched / model bytes |")
+        add("|---|---:|---:|")
+        for name in ("objfs", "s3fs", "Run:ai streamer", "copy first"):
+            add(_row(name, _cell(r, "tp", name, "wall"), _cell(r, "tp", name, "fetched_x")))
     if r.cells.get("s3", {}).get("objfs torch_io") or r.cells.get("s3", {}).get("local disk"):
         add("")
         add("| torch_io (CPU) | cold s | warm s |")
@@ -979,7 +1220,7 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                 )
             )
     add("")
-    add("| target (issue 3) | objfs | limit | met |")
+    add("| target | objfs | limit | met |")
     add("|---|---:|---:|---|")
     for t in s["targets"]:
         scale, unit = (1e3, " ms") if "random" in t["target"] else (1.0, " s")
@@ -1000,6 +1241,14 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _cpu_cell(r: Results, method: str) -> str:
+    """Medians of the daemon's CPU seconds per GB loaded: cold / warm / remount."""
+    values = [r.median("s3", method, f"daemon_cpu_per_gb_{p}") for p in ("cold", "warm", "remount")]
+    if all(v != v for v in values):
+        return ""
+    return " / ".join(f"{v:.2f}" if v == v else "-" for v in values)
+
+
 def _pair(r: Results, pass_: str, method: str, prefix: str) -> str:
     p50 = _cell(r, pass_, method, f"{prefix}_p50", 1e3)
     return f"{p50} / {_cell(r, pass_, method, f'{prefix}_p99', 1e3)}" if p50 else ""
@@ -1013,7 +1262,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="270 MB model, 1 run: a smoke test")
     p.add_argument("--runs", type=int, help="runs per measure (default 3; --quick 1)")
     p.add_argument("--only", default="", help="comma list: run only methods whose name has one")
-    p.add_argument("--skip", default="", help="comma list of passes to skip: s3,shaped,azure")
+    p.add_argument("--skip", default="", help="comma list of passes to skip: s3,tp,shaped,azure")
     p.add_argument(
         "--random-reads", type=int, help="4 KiB reads per file (default 200; --quick 50)"
     )
@@ -1103,6 +1352,12 @@ def main(argv: list[str] | None = None) -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "objfs_options": "defaults (--max-connections 32, --part-size 8M) with --cache-dir",
         "s3fs_options": f"parallel_count={args.s3fs_parallel},multipart_size={args.s3fs_part_mib}",
+        "daemon_cpu": "user+system seconds of the FUSE process, its threads and children, "
+        "during the load; per GB: divided by the shards' bytes / 1e9",
+        "tensor_parallel": {
+            "ranks": TP_RANKS,
+            "fetched_bytes": "s3rver's wchar (/proc/PID/io) over the measure",
+        },
         "shaping": {
             "first_byte_delay_s": SHAPED_DELAY_S,
             "bytes_per_s_per_connection": SHAPED_RATE,
@@ -1128,6 +1383,13 @@ def main(argv: list[str] | None = None) -> int:
             jobs = _s3_jobs(b, s3.url, sizes, full=True)
             results.add("s3", "server", _rtt_values(s3.url))
             run_rounds(b, "s3", {k: v for k, v in jobs.items() if _wanted(k, only)})
+        if "tp" not in skip:
+            print(
+                f"==> tensor parallel: {TP_RANKS} ranks load the model at once, from s3rver",
+                flush=True,
+            )
+            jobs = _tp_jobs(b)
+            run_rounds(b, "tp", {k: v for k, v in jobs.items() if _wanted(k, only)})
         if "shaped" not in skip:
             proxy = env.start_proxy(s3.port, SHAPED_DELAY_S, SHAPED_RATE)
             b.proxy = proxy
@@ -1220,6 +1482,7 @@ def _s3_jobs(
     if full:
         jobs["objfs torch_io"] = lambda: torch_io_run(b)
         jobs["local disk"] = lambda: local_run(b)
+        jobs[BINDING] = lambda: binding_run(b)
     return jobs
 
 
