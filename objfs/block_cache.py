@@ -98,17 +98,18 @@ class BufferPool:
 class Block:
     """One cached block: ``view`` (its bytes) over a pooled buffer."""
 
-    __slots__ = ("_cache", "buffer", "cached", "pins", "view")
+    __slots__ = ("_cache", "buffer", "cached", "length", "pins", "view")
 
     def __init__(self, cache: BlockCache, buffer: mmap.mmap, length: int) -> None:
         self._cache = cache
         self.buffer = buffer
+        self.length = length  # still known once the buffer went back to the pool
         self.view = memoryview(buffer)[:length]
         self.pins = 0  # holders that need the bytes beyond the current trio step
         self.cached = False  # in the LRU now
 
     def __len__(self) -> int:
-        return len(self.view)
+        return self.length
 
     def pin(self) -> None:
         self.pins += 1

@@ -413,6 +413,7 @@ class Fetcher:
                 self._disk_queued = trio.Event()
                 await self._disk_queued.wait()
             run = self._disk_queue.popleft()
+            nbytes = sum(len(b) for _, b in run)
             try:
                 if disk.enabled:
                     await trio.to_thread.run_sync(_write_all, disk, [(k, b.view) for k, b in run])
@@ -421,7 +422,7 @@ class Fetcher:
             finally:
                 for _, block in run:
                     block.unpin()
-                self._disk_write_bytes -= sum(len(b) for _, b in run)
+                self._disk_write_bytes -= nbytes
                 self._disk_written.set()
                 self._disk_written = trio.Event()
 
