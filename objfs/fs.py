@@ -30,6 +30,7 @@ prefetch that itself waits for the reader to consume something.
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import stat
 import time
@@ -173,6 +174,7 @@ class FileSystem:
         self._list_flight: SingleFlight[int, Listing] = SingleFlight()
         self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
+        self._reply_buffers: list[mmap.mmap] = []  # answered reads' pooled buffers (see read)
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
         self._warned: set[str] = set()
@@ -420,6 +422,8 @@ class FileSystem:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
+        while self._reply_buffers:
+            self.cache.pool.release(self._reply_buffers.pop())
         handle = self._handle(fh)
         if handle.node.etag != handle.etag:
             # A listing or HEAD has seen a newer version: the kernel may already show its size,
@@ -445,13 +449,28 @@ class FileSystem:
             base = first * bs
             block = await self._block(handle, first, to_end=end == base + bs or end == handle.size)
             return block[offset - base : end - base]
-        out = bytearray(end - offset)
-        for index in range(first, last + 1):
-            base = index * bs
-            lo, hi = max(offset, base), min(end, base + bs)
-            block = await self._block(handle, index, to_end=hi == base + bs or hi == handle.size)
-            # Copied at once: the next block's fetch may wait, and this one may be evicted.
-            out[lo - offset : hi - offset] = block[lo - base : hi - base]
+        # A read across blocks (the kernel's requests are rarely block-aligned) is assembled
+        # in a pooled buffer: no zero-filling, no fresh pages. Each piece is copied at once
+        # (the next block's fetch may wait, and this one may be evicted meanwhile).
+        pooled = end - offset <= self.cache.pool.buffer_size
+        buf = self.cache.pool.acquire() if pooled else bytearray(end - offset)
+        try:
+            out = memoryview(buf)[: end - offset]
+            for index in range(first, last + 1):
+                base = index * bs
+                lo, hi = max(offset, base), min(end, base + bs)
+                block = await self._block(
+                    handle, index, to_end=hi == base + bs or hi == handle.size
+                )
+                out[lo - offset : hi - offset] = block[lo - base : hi - base]
+        except BaseException:
+            if isinstance(buf, mmap.mmap):
+                self.cache.pool.release(buf)
+            raise
+        if isinstance(buf, mmap.mmap):
+            # The kernel copies the reply before the trio thread runs anything else: the
+            # buffer goes back to the pool when the next read starts.
+            self._reply_buffers.append(buf)
         return out
 
     async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | bytes:
