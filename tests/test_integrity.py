@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from objfs.disk_cache import cached_blocks
 from tests.conftest import (
     force_unmount,
     mount_command,
@@ -40,14 +41,14 @@ def _read(path: Path) -> bytes:
         return f.read()
 
 
-def _wait_for_files(directory: Path, count: int, timeout_s: float = 30.0) -> None:
+def _wait_for_blocks(cache: Path, count: int, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        found = [p for p in directory.rglob("*") if p.is_file() and not p.name.startswith(".")]
-        if len(found) >= count:
+        found = cached_blocks(str(cache))
+        if found >= count:
             return
         time.sleep(0.1)
-    raise AssertionError(f"only {len(found)} of {count} blocks reached {directory}")
+    raise AssertionError(f"only {found} of {count} blocks reached {cache}")
 
 
 def test_killed_daemon_gives_enotconn_and_mount_recovers_from_the_cache(
@@ -64,7 +65,7 @@ def test_killed_daemon_gives_enotconn_and_mount_recovers_from_the_cache(
     try:
         wait_mounted(mnt, first, tmp_path / "objfs1.out")
         assert sha256(_read(mnt / "model.bin")) == sha256(data)
-        _wait_for_files(cache / "v2", 7)  # 7 blocks of 1 MiB
+        _wait_for_blocks(cache, 7)  # 7 blocks of 1 MiB
         first.send_signal(signal.SIGKILL)
         first.wait(timeout=30)
         with pytest.raises(OSError, match="not connected") as info:

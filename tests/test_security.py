@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 
 from objfs.demo import LocalServer, free_port
+from objfs.disk_cache import cached_blocks
 from objfs.mount import _mountinfo_record, mount_entry
 from tests.conftest import (
     Mount,
@@ -113,7 +114,7 @@ def test_cache_directory_and_blocks_are_private_whatever_the_umask(
     s3_server: LocalServer, bucket: str, weights: bytes, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    # --cache-min-free: objfs itself creates the directory (not only its v2/ subdirectory).
+    # --cache-min-free: objfs itself creates the directory (not only its v3/ subdirectory).
     cmd, mountpoint = cache_mount_command(
         s3_server, bucket, tmp_path, cache, "--cache-min-free", "1M"
     )
@@ -125,7 +126,6 @@ def test_cache_directory_and_blocks_are_private_whatever_the_umask(
             os.umask(old)
         assert sha256((m.path / "w.bin").read_bytes()) == sha256(weights)
     # Unmounted: the daemon has written every queued block.
-    blocks = 0
     for root, dirs, files in os.walk(cache):
         for d in [root, *(os.path.join(root, d) for d in dirs)]:
             st = os.lstat(d)
@@ -136,8 +136,8 @@ def test_cache_directory_and_blocks_are_private_whatever_the_umask(
             st = os.lstat(os.path.join(root, f))
             assert stat.S_ISREG(st.st_mode)
             assert stat.S_IMODE(st.st_mode) == 0o600, (f, oct(st.st_mode))
-            blocks += not f.startswith(".")
-    assert blocks >= 4  # 3 MiB + 17 bytes: four 1 MiB blocks, plus config.json's
+    # 3 MiB + 17 bytes: four 1 MiB blocks, plus config.json's.
+    assert cached_blocks(str(cache)) >= 4
 
 
 def refused_mount(
@@ -172,13 +172,13 @@ def assert_one_line_usage_error(res: subprocess.CompletedProcess[str], *fragment
 
 @pytest.mark.parametrize(
     ("where", "mode"),
-    [("cache", 0o777), ("cache", 0o730), ("cache", 0o1777), ("cache/v2", 0o707)],
+    [("cache", 0o777), ("cache", 0o730), ("cache", 0o1777), ("cache/v3", 0o707)],
 )
 def test_cache_directory_writable_by_others_is_refused(
     s3_server: LocalServer, bucket: str, weights: bytes, tmp_path: Path, where: str, mode: int
 ) -> None:
     cache = tmp_path / "cache"
-    (cache / "v2").mkdir(parents=True, mode=0o700)
+    (cache / "v3").mkdir(parents=True, mode=0o700)
     cache.chmod(0o700)
     (tmp_path / where).chmod(mode)
     res = refused_mount(s3_server, bucket, tmp_path, cache)
@@ -187,7 +187,7 @@ def test_cache_directory_writable_by_others_is_refused(
     )
     # Refused, not repaired: objfs changed nothing.
     assert stat.S_IMODE((tmp_path / where).stat().st_mode) == mode
-    assert sorted(p.name for p in cache.rglob("*")) == ["v2"]
+    assert sorted(p.name for p in cache.rglob("*")) == ["v3"]
 
 
 def test_cache_directory_of_another_user_is_refused(
@@ -218,7 +218,7 @@ def test_symlinked_cache_directory_is_followed_and_checked(
         assert sha256((m.path / "w.bin").read_bytes()) == sha256(weights)
     assert link.is_symlink()
     assert stat.S_IMODE(real.stat().st_mode) == 0o700
-    assert len([p for p in (real / "v2").rglob("*.*") if not p.name.startswith(".")]) >= 4
+    assert cached_blocks(str(real)) >= 4
 
     unsafe = tmp_path / "shared"
     unsafe.mkdir()

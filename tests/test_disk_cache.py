@@ -1,0 +1,848 @@
+"""The disk tier (format v3) on its own: round trips, runs, crashes and damage, eviction,
+the free-space floor, errors, O_DIRECT fallbacks and sharing a directory.
+
+Deterministic: damage comes from seeded generators, clocks are moved by hand, and system
+calls are counted through monkeypatched ``os`` functions. Blocks are 64 KiB (a multiple of the
+page, as the format needs) so the tests write little.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import mmap
+import os
+import random
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from objfs import disk_cache
+from objfs.block_cache import BlockKey
+from objfs.disk_cache import DiskCache, cached_blocks
+from objfs.errors import UsageError
+
+BS = 64 * 1024
+MiB = 1024 * 1024
+
+
+def make_cache(directory: Path, *, block_size: int = BS, **kwargs: int) -> DiskCache:
+    options = {"size_limit_bytes": 1 << 30, "min_free_bytes": 0, **kwargs}
+    return DiskCache(str(directory), namespace="memory://", block_size=block_size, **options)
+
+
+def block(key: str, index: int, length: int = BS) -> bytes:
+    """The bytes of block ``index`` of ``key``: the same in every process."""
+    return random.Random(f"{key}/{index}").randbytes(length)
+
+
+def count_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
+    """Count calls of ``os.<name>`` from now on."""
+    counts = dict.fromkeys(names, 0)
+    for name in names:
+        real = getattr(os, name)
+
+        def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = name) -> Any:
+            counts[_name] += 1
+            return _real(*args)
+
+        monkeypatch.setattr(os, name, counting)
+    return counts
+
+
+def corrupt_warnings(caplog: pytest.LogCaptureFixture) -> int:
+    return sum("corrupt" in r.getMessage() for r in caplog.records)
+
+
+def patch_bytes(path: str, offset: int, data: bytes) -> None:
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.pwrite(fd, data, offset)
+    finally:
+        os.close(fd)
+
+
+# -- round trips ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_round_trips_blocks_of_every_length(tmp_path: Path, direct: bool) -> None:
+    """Blocks are written with O_DIRECT (page-padded) where the file system allows it, else
+    buffered; either way every length reads back intact, also across the two modes."""
+    cache = make_cache(tmp_path / "c")
+    cache._direct = direct and hasattr(os, "O_DIRECT")
+    lengths = (1, 4095, 4096, 5000, BS - 1, BS)
+    blobs = {BlockKey(f"k{n}", "e", 3): os.urandom(n) for n in lengths}
+    for key, blob in blobs.items():
+        cache.write(key, blob)
+    for key, blob in blobs.items():
+        where = cache.locate(key.key, key.etag, key.block)
+        padded = -(-len(blob) // 4096) * 4096
+        assert os.path.getsize(where.data_path) == 3 * BS + (padded if cache._direct else len(blob))
+        other = make_cache(tmp_path / "c")
+        other._direct = not cache._direct and hasattr(os, "O_DIRECT")
+        assert cache.read(key, len(blob)) == blob
+        assert other.read(key, len(blob)) == blob
+        assert type(cache.read(key, len(blob))) is bytes
+        wrong_length = len(blob) + 1 if len(blob) < BS else len(blob) - 1
+        assert cache.read(key, wrong_length) is None  # a length mismatch is a corrupt block
+        assert cache.read(key, len(blob)) is None  # ... and was dropped
+    assert cache.corrupt == len(blobs)
+    assert cache.statistics()["disk_writes"] == len(blobs)
+
+
+@pytest.mark.parametrize("direct", [True, False], ids=["o_direct", "buffered"])
+def test_a_run_is_one_pwritev_and_one_table_write(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache._direct = direct and hasattr(os, "O_DIRECT")
+    blobs = [block("k", i) for i in range(20)] + [block("k", 20, 777)]
+    cache.write_blocks("k", "e", 100, blobs[:1])  # creates the version's files
+    calls = count_calls(monkeypatch, "pwritev", "pwrite", "open", "close", "statvfs", "scandir")
+    assert cache.write_blocks("k", "e", 1, blobs[1:9]) == 8
+    assert calls == {"pwritev": 1, "pwrite": 1, "open": 0, "close": 0, "statvfs": 0, "scandir": 0}
+    # 12 more, the last short: runs of at most 8.
+    assert cache.write_blocks("k", "e", 9, blobs[9:]) == 12
+    assert calls["pwritev"] == 1 + 2
+    assert calls["pwrite"] == 1 + 2
+    reads = count_calls(monkeypatch, "preadv", "pread")
+    got = cache.read_blocks("k", "e", list(range(1, 21)), [len(b) for b in blobs[1:]])
+    assert got == {i: blobs[i] for i in range(1, 21)}
+    # Three runs (8, 8, 4): a table read each, and one preadv each with O_DIRECT.
+    assert reads["pread"] == 3 + (0 if cache._direct else 20)
+    assert reads["preadv"] == (3 if cache._direct else 0)
+    assert calls["open"] == 0
+
+
+def test_present_blocks_of_a_list_are_returned(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", i) for i in range(3)])
+    cache.write_blocks("k", "e", 5, [block("k", 5)])
+    got = cache.read_blocks("k", "e", [5, 0, 1, 2, 3, 4, 6], [BS] * 7)
+    assert got == {i: block("k", i) for i in (0, 1, 2, 5)}
+    assert cache.statistics()["disk_hits"] == 4
+    assert cache.statistics()["disk_misses"] == 3
+    assert cache.read_blocks("other", "e", [0], [BS]) == {}
+
+
+def test_page_aligned_buffers_go_to_disk_and_back_without_a_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The block cache's pooled mmaps are written from and read into as they are; only a
+    short last block goes through the cache's own aligned buffers."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    cache = make_cache(tmp_path / "c")
+    source = mmap.mmap(-1, 3 * BS)
+    blobs = [block("k", 0), block("k", 1), block("k", 2, 5000)]
+    views = [memoryview(source)[i * BS : i * BS + len(b)] for i, b in enumerate(blobs)]
+    for view, blob in zip(views, blobs, strict=True):
+        view[:] = blob
+    staged: list[int] = []
+    real = cache._aligned_buffers
+
+    def counting(count: int) -> Any:
+        staged.append(count)
+        return real(count)
+
+    monkeypatch.setattr(cache, "_aligned_buffers", counting)
+    assert cache.write_blocks("k", "e", 0, views) == 3
+    targets = [memoryview(mmap.mmap(-1, BS))[: len(b)] for b in blobs]
+    assert cache.read_blocks_into("k", "e", [0, 1, 2], targets) == {0, 1, 2}
+    assert [bytes(t) for t in targets] == blobs
+    if cache._direct:
+        assert staged == [1, 1]  # the 5000-byte block, once each way
+    assert cache.read_blocks_into("k", "e", [0], [memoryview(bytearray(BS))]) == {0}
+
+
+def test_returned_bytes_never_alias_a_pooled_buffer(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", i) for i in range(8)])
+    first = cache.read_blocks("k", "e", list(range(8)), [BS] * 8)
+    again = cache.read_blocks("k", "e", list(range(8)), [BS] * 8)  # reuses the pool
+    cache.write_blocks("j", "e", 0, [block("j", i) for i in range(8)])  # so do writes
+    assert all(type(b) is bytes for b in first.values())
+    assert first == again == {i: block("k", i) for i in range(8)}
+
+
+def test_crc_of_every_kind_of_buffer(tmp_path: Path) -> None:
+    data = os.urandom(100_000)
+    expected = disk_cache._crc(data)
+    buf = mmap.mmap(-1, len(data))
+    buf[:] = data
+    for kind in (bytearray(data), memoryview(data), memoryview(buf), memoryview(buf).toreadonly()):
+        assert disk_cache._crc(kind) == expected
+    assert disk_cache._crc32c_extend is not None  # the fast path for writable buffers
+
+
+# -- crashes and damage ---------------------------------------------------------------------
+
+
+def test_data_without_its_table_entry_is_a_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A crash after the data and before the entry: a miss, not a corrupt block."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    where = cache.locate("k", "e", 1)
+    patch_bytes(where.index_path, where.entry_offset, bytes(16))
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    assert cache.read_blocks("k", "e", [0, 1], [BS, BS]) == {0: block("k", 0)}
+    assert corrupt_warnings(caplog) == 0
+    assert cache.corrupt == 0
+    cache.write_blocks("k", "e", 1, [block("k", 1)])  # the caller fetched it again
+    assert make_cache(tmp_path / "c").read(BlockKey("k", "e", 1), BS) == block("k", 1)
+
+
+@pytest.mark.parametrize("tear", ["zeros", "half-written", "one-sector"])
+def test_an_entry_whose_data_is_torn_is_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, tear: str
+) -> None:
+    """An entry on disk whose data write did not (wholly) reach the disk: a miss with one
+    warning; the entry is cleared, so the next read is a plain miss."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    where = cache.locate("k", "e", 1)
+    if tear == "zeros":  # a hole: the data never landed
+        patch_bytes(where.data_path, where.data_offset, bytes(BS))
+    elif tear == "half-written":
+        patch_bytes(where.data_path, where.data_offset + BS // 2, bytes(BS // 2))
+    else:  # one sector of garbage
+        patch_bytes(where.data_path, where.data_offset + 4096, os.urandom(512))
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    assert make_cache(tmp_path / "c").read_blocks("k", "e", [0, 1], [BS, BS]) == {0: block("k", 0)}
+    assert corrupt_warnings(caplog) == 1
+    assert make_cache(tmp_path / "c").read(BlockKey("k", "e", 1), BS) is None
+    assert corrupt_warnings(caplog) == 1  # dropped: the entry is gone
+    assert cached_blocks(str(tmp_path / "c")) == 1
+
+
+@pytest.mark.parametrize("cut", [BS // 2, 1, 0])
+def test_a_data_file_truncated_in_a_block_is_a_miss(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, cut: int
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    blobs = [block("k", i) for i in range(4)]
+    cache.write_blocks("k", "e", 0, blobs)
+    where = cache.locate("k", "e", 2)
+    os.truncate(where.data_path, where.data_offset + cut)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    got = cache.read_blocks("k", "e", [0, 1, 2, 3], [BS] * 4)
+    assert got == {0: blobs[0], 1: blobs[1]}
+    assert corrupt_warnings(caplog) == 2
+    assert cache.write_blocks("k", "e", 2, blobs[2:]) == 2
+    assert cache.read_blocks("k", "e", [0, 1, 2, 3], [BS] * 4) == dict(enumerate(blobs))
+
+
+def test_a_truncated_table_is_a_miss(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", i) for i in range(4)])
+    where = cache.locate("k", "e", 2)
+    os.truncate(where.index_path, where.entry_offset + 5)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    got = make_cache(tmp_path / "c").read_blocks("k", "e", [0, 1, 2, 3], [BS] * 4)
+    assert got == {0: block("k", 0), 1: block("k", 1)}
+    assert corrupt_warnings(caplog) == 0  # entries cut off are simply absent
+
+
+@pytest.mark.parametrize("damage", ["bad-magic", "another-version", "short-header"])
+def test_a_table_that_does_not_name_the_version_is_replaced(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """A table with a bad magic, or naming other inputs (a foreign file, or a SHA-256
+    collision), serves nothing: it is removed with its data, once, with a warning."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0)])
+    cache.write_blocks("other", "e", 0, [block("other", 0)])
+    where = cache.locate("k", "e", 0)
+    if damage == "bad-magic":
+        patch_bytes(where.index_path, 0, b"NOTOBJFS")
+    elif damage == "another-version":  # its entries are intact: only the header tells
+        other = cache.locate("other", "e", 0)
+        os.replace(other.index_path, where.index_path)
+    else:
+        os.truncate(where.index_path, 20)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    fresh = make_cache(tmp_path / "c")
+    assert fresh.read(BlockKey("k", "e", 0), BS) is None
+    assert corrupt_warnings(caplog) == 1
+    assert not os.path.exists(where.index_path)
+    assert not os.path.exists(where.data_path)
+    assert fresh.read(BlockKey("k", "e", 0), BS) is None
+    assert corrupt_warnings(caplog) == 1
+    fresh.write(BlockKey("k", "e", 0), block("k", 0))
+    assert make_cache(tmp_path / "c").read(BlockKey("k", "e", 0), BS) == block("k", 0)
+
+
+def test_random_damage_never_returns_wrong_bytes(tmp_path: Path) -> None:
+    """Bytes flipped at random in the data and the table (seeded): every read is the right
+    block or a miss, and a rewrite makes the version whole again."""
+    rng = random.Random(1234)
+    blobs = [block("k", i) for i in range(5)] + [block("k", 5, 3000)]
+    lengths = [len(b) for b in blobs]
+    outcomes = {"hit": 0, "miss": 0}
+    for trial in range(60):
+        directory = tmp_path / f"c{trial % 3}"
+        cache = make_cache(directory)
+        cache.write_blocks("k", "e", 0, blobs)
+        where = cache.locate("k", "e", 0)
+        for _ in range(rng.randint(1, 6)):
+            if rng.random() < 0.5:
+                path = where.data_path
+                offset = rng.randrange(os.path.getsize(path))
+            else:
+                path = where.index_path
+                # The header or the entries, where damage can matter.
+                offset = rng.choice(
+                    [rng.randrange(64), where.entry_offset + rng.randrange(len(blobs) * 16)]
+                )
+            with open(path, "rb") as f:
+                f.seek(offset)
+                old = f.read(1)
+            if old:
+                patch_bytes(path, offset, bytes([old[0] ^ (1 << rng.randrange(8))]))
+        fresh = make_cache(directory)
+        got = fresh.read_blocks("k", "e", list(range(len(blobs))), lengths)
+        for index in range(len(blobs)):
+            if index in got:
+                assert got[index] == blobs[index], f"trial {trial}: wrong bytes, block {index}"
+                outcomes["hit"] += 1
+            else:
+                outcomes["miss"] += 1
+        fresh.write_blocks("k", "e", 0, blobs)
+        assert make_cache(directory).read_blocks("k", "e", list(range(6)), lengths) == dict(
+            enumerate(blobs)
+        )
+    assert outcomes["hit"]
+    assert outcomes["miss"]
+
+
+# -- eviction and the free-space floor -------------------------------------------------------
+
+
+def version_size(tmp_path: Path) -> int:
+    """Bytes one version of one block takes on this file system."""
+    probe = make_cache(tmp_path / "probe")
+    probe.write(BlockKey("probe", "e", 0), block("probe", 0))
+    return probe.statistics()["disk_bytes"]
+
+
+def present_versions(cache: DiskCache, count: int) -> list[int]:
+    return [i for i in range(count) if os.path.exists(cache.locate(f"k{i}", "e", 0).data_path)]
+
+
+def test_eviction_removes_least_recently_used_versions_under_the_cap(tmp_path: Path) -> None:
+    unit = version_size(tmp_path)
+    cap = unit * 11 // 2  # room for five versions and a half
+    cache = make_cache(tmp_path / "c", size_limit_bytes=cap)
+    for i in range(5):
+        cache.write(BlockKey(f"k{i}", "e", 0), block(f"k{i}", 0))
+    assert cache.read(BlockKey("k0", "e", 0), BS) is not None  # k0 is now the most recent
+    assert cache.statistics()["disk_evictions"] == 0
+    cache.write(BlockKey("k5", "e", 0), block("k5", 0))  # over the cap: down to 90% of it
+    assert present_versions(cache, 6) == [0, 3, 4, 5]
+    stats = cache.statistics()
+    assert stats["disk_evictions"] == 2
+    assert stats["disk_bytes"] == 4 * unit <= cap * 0.9
+    # What survived reads back; what went is a miss.
+    assert cache.read(BlockKey("k0", "e", 0), BS) == block("k0", 0)
+    assert cache.read(BlockKey("k1", "e", 0), BS) is None
+
+
+def test_recency_survives_a_restart_through_mtimes(tmp_path: Path) -> None:
+    unit = version_size(tmp_path)
+    first = make_cache(tmp_path / "c")
+    for i in range(4):
+        first.write(BlockKey(f"k{i}", "e", 0), block(f"k{i}", 0))
+    for i, age in enumerate([100, 400, 200, 300]):  # k1 oldest, then k3, k2, k0
+        where = first.locate(f"k{i}", "e", 0)
+        for path in (where.data_path, where.index_path):
+            os.utime(path, (1e9 - age, 1e9 - age))
+    second = make_cache(tmp_path / "c", size_limit_bytes=unit * 21 // 5)
+    second.write(BlockKey("k4", "e", 0), block("k4", 0))  # 5 versions: down to 3.78
+    assert present_versions(second, 5) == [0, 2, 4]
+
+
+def test_a_version_bigger_than_the_cache_is_not_cached(tmp_path: Path) -> None:
+    cache = make_cache(tmp_path / "c", size_limit_bytes=4 * BS)
+    cache.write_blocks("small", "e", 0, [block("small", 0)])
+    assert cache.write_blocks("big", "e", 0, [block("big", i) for i in range(4)]) == 0
+    assert cache.read(BlockKey("small", "e", 0), BS) == block("small", 0)
+    assert cache.statistics()["disk_evictions"] == 0
+
+
+def test_writes_scan_no_directory_and_check_free_space_rarely(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No periodic scan: writing under the cap lists and stats nothing; statvfs runs once per
+    _SPACE_CHECK_BYTES written (or per second), not per write."""
+    clock = [1000.0]
+    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(disk_cache, "_SPACE_CHECK_BYTES", 16 * BS)
+    cache = make_cache(tmp_path / "c", min_free_bytes=1)
+    for i in range(10):  # creates the versions' files (and subdirectories: os.makedirs stats)
+        cache.write_blocks(f"k{i}", "e", 0, [block(f"k{i}", 0)])
+    clock[0] += 1.0
+    names = ("scandir", "listdir", "stat", "lstat", "statvfs", "utime")
+    calls = count_calls(monkeypatch, *names)
+    for i in range(160):  # 160 writes over 10 versions
+        cache.write_blocks(f"k{i % 10}", "e", 1 + i // 10, [block("k", i)])
+    assert calls == dict.fromkeys(names, 0) | {"statvfs": 10}  # writes 1, 17, ... 145
+    clock[0] += 1.0
+    cache.write_blocks("k0", "e", 500, [block("k", 500)])
+    assert calls["statvfs"] == 11  # a second passed
+    for i in range(200):  # reads check nothing
+        assert cache.read(BlockKey(f"k{i % 10}", "e", 1 + i // 10 % 16), BS) is not None
+    assert calls == dict.fromkeys(names, 0) | {"statvfs": 11}
+
+
+def test_a_low_disk_evicts_and_pauses_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = [1000.0]
+    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
+    cache = make_cache(tmp_path / "c", min_free_bytes=1)
+    for i in range(4):
+        cache.write(BlockKey(f"k{i}", "e", 0), block(f"k{i}", 0))
+    unit = cache.statistics()["disk_bytes"] // 4
+    cache.min_free_bytes = 10 * unit
+    # Another program fills the disk: the next check evicts (the oldest first) until 10%
+    # over the floor; each removal gives its bytes back.
+    monkeypatch.setattr(
+        cache, "_free_bytes", lambda: 9 * unit + 1 + cache.statistics()["disk_evictions"] * unit
+    )
+    clock[0] += 1.0
+    assert cache.write_blocks("k4", "e", 0, [block("k4", 0)]) == 1
+    assert present_versions(cache, 5) == [2, 3, 4]
+    # Full, and nothing helps: all evicted, and writes pause until the disk has room again.
+    monkeypatch.setattr(cache, "_free_bytes", lambda: 0)
+    clock[0] += 1.0
+    assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 0
+    assert present_versions(cache, 6) == []
+    assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 0
+    monkeypatch.setattr(cache, "_free_bytes", lambda: 50 * unit)
+    clock[0] += 1.0
+    assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 1
+    assert cache.enabled
+    assert cache.statistics()["disk_errors"] == 0
+
+
+def test_hits_touch_the_mtime_at_most_once_a_minute(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write(BlockKey("k", "e", 0), block("k", 0))
+    calls = count_calls(monkeypatch, "utime")
+    for _ in range(20):
+        assert cache.read(BlockKey("k", "e", 0), BS) is not None
+    assert calls["utime"] == 0  # written just now
+    digest = next(iter(cache._index))
+    cache._index[digest].touched_at -= 61
+    for _ in range(20):
+        assert cache.read(BlockKey("k", "e", 0), BS) is not None
+    assert calls["utime"] == 1
+
+
+# -- descriptors -----------------------------------------------------------------------------
+
+
+def test_descriptors_stay_open_for_recent_versions_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(disk_cache, "_OPEN_VERSIONS", 4)
+    cache = make_cache(tmp_path / "c")
+    before = len(os.listdir("/proc/self/fd"))
+    for i in range(10):
+        cache.write_blocks(f"k{i}", "e", 0, [block(f"k{i}", 0)])
+    assert len(os.listdir("/proc/self/fd")) - before == 2 * 4  # a table and a data file each
+    calls = count_calls(monkeypatch, "open", "close")
+    for _ in range(5):
+        for i in range(6, 10):
+            cache.write_blocks(f"k{i}", "e", 1, [block(f"k{i}", 1)])
+            assert cache.read(BlockKey(f"k{i}", "e", 0), BS) == block(f"k{i}", 0)
+    assert calls == {"open": 0, "close": 0}
+    cache.close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+# -- errors ----------------------------------------------------------------------------------
+
+
+def test_transient_read_errors_are_misses_until_they_repeat(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write(BlockKey("k", "e", 0), block("k", 0))
+    real_pread = os.pread
+    failing = [True]
+
+    def flaky(fd: int, n: int, offset: int) -> bytes:
+        if failing[0]:
+            raise OSError(errno.EIO, os.strerror(errno.EIO))
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", flaky)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    for _ in range(7):
+        assert cache.read(BlockKey("k", "e", 0), BS) is None
+    assert cache.enabled
+    assert cache.statistics()["disk_errors"] == 7
+    failing[0] = False
+    assert cache.read(BlockKey("k", "e", 0), BS) == block("k", 0)  # a success: streak over
+    failing[0] = True
+    for _ in range(7):
+        assert cache.read(BlockKey("k", "e", 0), BS) is None
+    assert cache.enabled
+    assert cache.read(BlockKey("k", "e", 0), BS) is None  # the 8th in a row
+    assert not cache.enabled
+    assert cache.statistics()["disk_enabled"] == 0
+    assert cache.statistics()["disk_errors"] == 15
+    messages = [r.getMessage() for r in caplog.records]
+    assert sum("turned off" in m for m in messages) == 1
+    assert sum("treating it as a miss" in m for m in messages) == 2  # one per streak
+    assert cache.read(BlockKey("k", "e", 0), BS) is None
+    assert cache.write_blocks("k", "e", 1, [block("k", 1)]) == 0
+
+
+def test_too_many_open_files_is_transient(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make_cache(tmp_path / "c")
+    real_open = os.open
+
+    def no_descriptors(path: str, flags: int, mode: int = 0o777) -> int:
+        raise OSError(errno.EMFILE, os.strerror(errno.EMFILE))
+
+    monkeypatch.setattr(os, "open", no_descriptors)
+    assert cache.write_blocks("k", "e", 0, [block("k", 0)]) == 0
+    assert cache.read(BlockKey("k", "e", 0), BS) is None
+    monkeypatch.setattr(os, "open", real_open)
+    assert cache.enabled
+    assert cache.write_blocks("k", "e", 0, [block("k", 0)]) == 1
+    assert cache.read(BlockKey("k", "e", 0), BS) == block("k", 0)
+    assert cache.statistics()["disk_errors"] >= 1
+
+
+@pytest.mark.parametrize("code", [errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES])
+def test_a_full_or_forbidden_disk_turns_the_tier_off_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, code: int
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    cache.write(BlockKey("k", "e", 0), block("k", 0))
+
+    def refuse(*args: object) -> int:
+        raise OSError(code, os.strerror(code))
+
+    monkeypatch.setattr(os, "pwritev", refuse)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    assert cache.write_blocks("k", "e", 1, [block("k", 1)]) == 0
+    assert cache.write_blocks("k", "e", 2, [block("k", 2)]) == 0
+    assert not cache.enabled
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+    assert os.strerror(code) in caplog.records[-1].getMessage()
+
+
+def test_a_short_write_is_a_full_disk(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = make_cache(tmp_path / "c")
+    real = os.pwritev
+
+    def short(fd: int, buffers: list[memoryview], offset: int) -> int:
+        return real(fd, buffers[:1], offset)  # the first block only
+
+    monkeypatch.setattr(os, "pwritev", short)
+    assert cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)]) == 0
+    assert not cache.enabled
+    monkeypatch.setattr(os, "pwritev", real)
+    reader = make_cache(tmp_path / "c")
+    # The block written whole before the disk filled up is listed and intact.
+    assert reader.read_blocks("k", "e", [0, 1], [BS, BS]) == {0: block("k", 0)}
+
+
+def test_unwritable_cache_turns_the_tier_off_with_one_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = make_cache(tmp_path / "c")
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    os.chmod(cache.root, 0o500)
+    try:
+        if os.geteuid() == 0:
+            pytest.skip("root writes to read-only directories anyway")
+        cache.write(BlockKey("k", "e", 0), b"x" * 100)
+        cache.write(BlockKey("k", "e", 1), b"x" * 100)
+    finally:
+        os.chmod(cache.root, 0o700)
+    assert not cache.enabled
+    assert sum("turned off" in r.getMessage() for r in caplog.records) == 1
+
+
+# -- O_DIRECT fallbacks ----------------------------------------------------------------------
+
+
+def test_falls_back_to_buffered_io_without_o_direct(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that refuses O_DIRECT (EINVAL, as older tmpfs does): the cache notices
+    and reads and writes buffered, with correct bytes."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    real_open = os.open
+    refused: list[str] = []
+
+    def no_direct(path: str, flags: int, mode: int = 0o777) -> int:
+        if flags & os.O_DIRECT:
+            refused.append(path)
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_open(path, flags, mode)
+
+    cache = make_cache(tmp_path / "c")
+    monkeypatch.setattr(os, "open", no_direct)
+    cache.write(BlockKey("k", "e", 0), b"abc" * 1000)
+    assert refused
+    assert not cache._direct
+    assert os.path.getsize(cache.locate("k", "e", 0).data_path) == 3000  # not page-padded
+    reader = make_cache(tmp_path / "c")
+    assert reader.read(BlockKey("k", "e", 0), 3000) == b"abc" * 1000
+    assert not reader._direct
+    assert len(refused) == 2
+
+
+def test_reads_buffered_when_o_direct_reads_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system that accepts O_DIRECT at open but refuses the read (EINVAL): the block
+    is read buffered, the tier stays on, and later reads skip O_DIRECT."""
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    cache = make_cache(tmp_path / "c")
+    blob = os.urandom(BS)
+    cache.write(BlockKey("k", "e", 0), blob)
+
+    def refuse(fd: int, buffers: object, offset: int) -> int:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    monkeypatch.setattr(os, "preadv", refuse)
+    assert cache.read(BlockKey("k", "e", 0), BS) == blob
+    assert cache.enabled
+    assert not cache._direct
+    assert cache.read(BlockKey("k", "e", 0), BS) == blob
+    assert cache.statistics()["disk_errors"] == 0
+
+
+def test_writes_buffered_when_o_direct_writes_are_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if not hasattr(os, "O_DIRECT"):
+        pytest.skip("no O_DIRECT on this platform")
+    import fcntl
+
+    cache = make_cache(tmp_path / "c")
+    real = os.pwritev
+    refused = [0]
+
+    def refuse_direct(fd: int, buffers: list[memoryview], offset: int) -> int:
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            refused[0] += 1
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real(fd, buffers, offset)
+
+    monkeypatch.setattr(os, "pwritev", refuse_direct)
+    blobs = [block("k", 0), block("k", 1, 3000)]
+    assert cache.write_blocks("k", "e", 0, blobs) == 2
+    assert cache.write_blocks("j", "e", 0, blobs) == 2
+    assert refused[0] == 1
+    assert cache.enabled
+    assert not cache._direct
+    for key in ("k", "j"):
+        assert make_cache(tmp_path / "c").read_blocks(key, "e", [0, 1], [BS, 3000]) == {
+            0: blobs[0],
+            1: blobs[1],
+        }
+
+
+# -- sharing one directory -------------------------------------------------------------------
+
+
+def test_two_processes_may_share_one_cache_directory(tmp_path: Path) -> None:
+    """Two DiskCache instances (as two mounts would hold) write and read the same blocks
+    from many threads at once: every read is a whole, correct block or a miss."""
+    a, b = make_cache(tmp_path / "c", block_size=MiB), make_cache(tmp_path / "c", block_size=MiB)
+    blobs = {BlockKey("k", "e", i): os.urandom(256 * 1024) for i in range(32)}
+    errors: list[str] = []
+
+    def worker(cache: DiskCache, seed: int) -> None:
+        order = list(blobs)[seed:] + list(blobs)[:seed]
+        for _ in range(3):
+            for key in order:
+                cache.write(key, blobs[key])
+                got = cache.read(key, len(blobs[key]))
+                if got is not None and got != blobs[key]:
+                    errors.append(f"wrong bytes for {key}")
+
+    threads = [threading.Thread(target=worker, args=(c, i)) for i, c in enumerate([a, b] * 4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert a.corrupt == b.corrupt == 0
+    for key, blob in blobs.items():
+        assert a.read(key, len(blob)) == blob
+        assert b.read(key, len(blob)) == blob
+
+
+def test_threads_churning_descriptors_and_evicting_never_see_a_closed_descriptor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Few open versions and a small cap: descriptors are dropped and versions evicted while
+    other threads use them; every read is right or a miss and no I/O hits a closed or reused
+    descriptor (which would count as an error)."""
+    monkeypatch.setattr(disk_cache, "_OPEN_VERSIONS", 2)
+    cache = make_cache(tmp_path / "c", size_limit_bytes=24 * (BS + 8192))
+    wrong: list[str] = []
+
+    def worker(seed: int) -> None:
+        rng = random.Random(seed)
+        for _ in range(60):
+            key = f"k{rng.randrange(8)}"
+            first = rng.randrange(4)
+            cache.write_blocks(key, "e", first, [block(key, i) for i in range(first, first + 2)])
+            got = cache.read_blocks(key, "e", list(range(6)), [BS] * 6)
+            wrong.extend(f"{key}/{i}" for i, data in got.items() if data != block(key, i))
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = cache.statistics()
+    assert wrong == []
+    assert stats["disk_errors"] == 0
+    assert stats["disk_evictions"] > 0
+    assert stats["disk_hits"] > 0
+    assert cache.enabled
+    cache.close()
+
+
+def test_a_version_removed_by_another_process_is_never_served_wrong(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another process evicts a version this one has open: reads are right or miss, and
+    within a second the files are opened afresh (so writes land where others see them)."""
+    clock = [1000.0]
+    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
+    a, b = make_cache(tmp_path / "c"), make_cache(tmp_path / "c")
+    a.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    assert b.read(BlockKey("k", "e", 0), BS) == block("k", 0)
+    b.size_limit_bytes = 0
+    b.evict()
+    assert not os.path.exists(a.locate("k", "e", 0).data_path)
+    for index in (0, 1):  # still open here: the removed files' bytes, which are right
+        assert a.read(BlockKey("k", "e", index), BS) in (block("k", index), None)
+    clock[0] += 2
+    assert a.write_blocks("k", "e", 2, [block("k", 2)]) == 1
+    assert os.path.exists(a.locate("k", "e", 0).data_path)
+    b.size_limit_bytes = 1 << 30
+    assert b.read_blocks("k", "e", [0, 1, 2], [BS] * 3) == {2: block("k", 2)}
+    assert a.read_blocks("k", "e", [0, 1, 2], [BS] * 3) == {2: block("k", 2)}
+    assert a.corrupt == b.corrupt == 0
+
+
+SHARER = textwrap.dedent(
+    """
+    import random, sys
+    from objfs.disk_cache import DiskCache
+
+    BS = 64 * 1024
+    def block(key, index):
+        return random.Random(f"{key}/{index}").randbytes(BS)
+
+    directory, seed = sys.argv[1], int(sys.argv[2])
+    # Room for about 6 of the 12 versions: the two processes evict each other's.
+    cache = DiskCache(directory, namespace="memory://", block_size=BS,
+                      size_limit_bytes=6 * 8 * BS, min_free_bytes=0)
+    rng = random.Random(seed)
+    wrong = 0
+    for _ in range(150):
+        key = f"k{rng.randrange(12)}"
+        first = rng.randrange(8)
+        if rng.random() < 0.5:
+            cache.write_blocks(key, "e", first, [block(key, i) for i in range(first, 8)])
+        got = cache.read_blocks(key, "e", list(range(8)), [BS] * 8)
+        wrong += sum(data != block(key, i) for i, data in got.items())
+    stats = cache.statistics()
+    print(wrong, stats["disk_hits"], stats["disk_evictions"])
+    """
+)
+
+
+def test_two_processes_evicting_each_others_versions_serve_no_wrong_bytes(
+    tmp_path: Path,
+) -> None:
+    directory = tmp_path / "c"
+    make_cache(directory)  # created (0700) before the two race for it
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", SHARER, str(directory), str(seed)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append([int(n) for n in out.split()])
+    assert [wrong for wrong, _, _ in results] == [0, 0]
+    assert all(hits > 0 for _, hits, _ in results)
+    assert sum(evictions for _, _, evictions in results) > 0
+
+
+# -- setup -----------------------------------------------------------------------------------
+
+
+def test_older_formats_are_removed_on_start(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    for old in ("v1", "v2"):
+        (directory / old / "ab").mkdir(parents=True, mode=0o700)
+        (directory / old / "ab" / "block.0").write_bytes(b"x" * 100)
+    directory.chmod(0o700)
+    cache = make_cache(directory)
+    assert sorted(p.name for p in directory.iterdir()) == ["v3"]
+    assert cache.root == str(directory / "v3")
+    assert stat_mode(directory / "v3") == 0o700
+
+
+def test_a_shared_or_foreign_directory_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "c"
+    (directory / "v3").mkdir(parents=True, mode=0o700)
+    directory.chmod(0o700)
+    (directory / "v3").chmod(0o707)
+    with pytest.raises(UsageError, match="is writable by group or others"):
+        make_cache(directory)
+    (directory / "v3").chmod(0o700)
+    directory.chmod(0o755)  # only readable by others: tightened
+    make_cache(directory)
+    assert stat_mode(directory) == 0o700
+
+
+def test_block_sizes_and_lengths_are_checked(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="multiple of 4096"):
+        make_cache(tmp_path / "c", block_size=5000)
+    cache = make_cache(tmp_path / "c")
+    with pytest.raises(ValueError, match="length"):
+        cache.write_blocks("k", "e", 0, [b""])
+    with pytest.raises(ValueError, match="length"):
+        cache.write_blocks("k", "e", 0, [bytes(BS + 1)])
+    with pytest.raises(ValueError, match="length"):
+        cache.read_blocks("k", "e", [0], [0])
+
+
+def stat_mode(path: Path) -> int:
+    return path.stat().st_mode & 0o7777
