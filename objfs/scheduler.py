@@ -365,23 +365,15 @@ class Fetcher:
     def _disk_read_into(self, handle: Handle, wanted: list[tuple[int, memoryview]]) -> set[int]:
         """(Worker thread) Fill the views of the blocks the disk tier holds; their indexes."""
         assert self.disk is not None
-        found: set[int] = set()
-        for index, view in wanted:
-            data = self.disk.read(self.key(handle, index), len(view))
-            if data is not None:
-                view[:] = data
-                found.add(index)
-        return found
+        return self.disk.read_blocks_into(
+            handle.key, handle.etag, [i for i, _ in wanted], [v for _, v in wanted]
+        )
 
     def read_disk_blocks(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
         """(Worker thread) The blocks the disk tier holds, as bytes (random reads)."""
         assert self.disk is not None
-        found: dict[int, bytes] = {}
-        for index in indexes:
-            data = self.disk.read(self.key(handle, index), self.length(handle, index))
-            if data is not None:
-                found[index] = data
-        return found
+        lengths = [self.length(handle, i) for i in indexes]
+        return self.disk.read_blocks(handle.key, handle.etag, indexes, lengths)
 
     @property
     def disk_read_limiter(self) -> trio.CapacityLimiter:
@@ -416,7 +408,14 @@ class Fetcher:
             nbytes = sum(len(b) for _, b in run)
             try:
                 if disk.enabled:
-                    await trio.to_thread.run_sync(_write_all, disk, [(k, b.view) for k, b in run])
+                    first = run[0][0]
+                    await trio.to_thread.run_sync(
+                        disk.write_blocks,
+                        first.key,
+                        first.etag,
+                        first.block,
+                        [b.view for _, b in run],
+                    )
             except Exception:
                 log.exception("disk cache write failed")
             finally:
@@ -438,11 +437,6 @@ class Fetcher:
             "disk_write_queue_bytes": self._disk_write_bytes,
             "disk_writes_skipped": self.disk_skipped,
         }
-
-
-def _write_all(disk: DiskCache, blocks: list[tuple[BlockKey, memoryview]]) -> None:
-    for key, view in blocks:
-        disk.write(key, bytes(view))  # TEMPORARY until the v3 disk cache
 
 
 def _ceil_div(a: int, b: int) -> int:
