@@ -61,15 +61,16 @@ class BlockKey(NamedTuple):
 class BufferPool:
     """Page-aligned buffers of ``buffer_size`` bytes (anonymous mmaps), reused.
 
-    A fresh buffer costs page faults and zeroing of every page on first touch (a tenth of
-    the daemon's CPU in the profile of a cold load); a reused one costs nothing. At most
-    ``max_free`` buffers wait in the pool; more are unmapped. Thread-safe (the disk writer
-    releases buffers from worker threads).
+    A fresh buffer costs page faults and zeroing of every page on first touch (a fifth of
+    the daemon's CPU in the profile of a cold load); a reused one costs nothing. A released
+    buffer is kept for reuse while at most ``max_mapped`` buffers are mapped in all (the
+    block cache allows as many as its budget holds); beyond that it is unmapped.
+    Thread-safe (the disk writer releases buffers from worker threads).
     """
 
-    def __init__(self, buffer_size: int, max_free: int) -> None:
+    def __init__(self, buffer_size: int, max_mapped: int) -> None:
         self.buffer_size = buffer_size
-        self.max_free = max_free
+        self.max_mapped = max_mapped
         self._free: list[mmap.mmap] = []
         self._lock = threading.Lock()
         self.allocated = 0  # buffers mapped now (in use or free)
@@ -79,11 +80,13 @@ class BufferPool:
             if self._free:
                 return self._free.pop()
             self.allocated += 1
-        return mmap.mmap(-1, self.buffer_size)
+        # Private, not mmap's default shared mapping: shared anonymous memory is shmem, every
+        # page of it faulted and zeroed through the shmem layer.
+        return mmap.mmap(-1, self.buffer_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
 
     def release(self, buf: mmap.mmap) -> None:
         with self._lock:
-            if len(self._free) < self.max_free:
+            if self.allocated <= self.max_mapped:
                 self._free.append(buf)
                 return
             self.allocated -= 1
@@ -172,12 +175,12 @@ class BlockCache:
         used_limit_bytes: int | None = None,
         *,
         block_size: int = 1 << 20,
-        pool_free_buffers: int = 16,
     ) -> None:
         self.capacity_bytes = capacity_bytes
         self.used_limit_bytes = capacity_bytes if used_limit_bytes is None else used_limit_bytes
         self.block_size = block_size
-        self.pool = BufferPool(block_size, pool_free_buffers)
+        # Free buffers plus cached blocks stay within the budget's worth of buffers.
+        self.pool = BufferPool(block_size, max(1, capacity_bytes // block_size))
         self._used: OrderedDict[BlockKey, Block] = OrderedDict()
         self._used_bytes = 0
         self._fresh: OrderedDict[BlockKey, Block] = OrderedDict()

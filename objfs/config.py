@@ -345,9 +345,15 @@ def available_memory_bytes() -> int:
 
 
 def default_memory_limit() -> int:
-    """A quarter of the available memory, between 256 MiB and 8 GiB: room for a few
-    streams of read-ahead without competing with the loader for memory."""
-    return max(256 << 20, min(8 << 30, available_memory_bytes() // 4))
+    """256 MiB, or a quarter of the available memory if that is less (at least 64 MiB).
+
+    Read-ahead needs only what covers the store's latency at the link's speed (128 MiB is a
+    third of a second at 400 MB/s, four times what a 2.5 GB/s link moves in a 50 ms first
+    byte): the kernel's page cache holds what was served. A bigger budget only made the
+    daemon fault in fresh memory for blocks prefetched far ahead of the reader: the same
+    load took as long with 512 MiB as with 256 MiB (tests/benchmarks/profile_load.py), and
+    several GiB made a fifth of the daemon's CPU page zeroing."""
+    return max(64 << 20, min(256 << 20, available_memory_bytes() // 4))
 
 
 def redact_url(url: str) -> str:

@@ -6,7 +6,8 @@ sessions are not). Calls run in ``trio.to_thread.run_sync`` under one CapacityLi
 connection inside botocore (its default pool is only 10).
 
 Data GETs (the bytes of a load) do not go through botocore's request machinery: botocore
-presigns the URL (its endpoint, addressing and credential logic stay in charge), and
+resolves the URL (endpoint and addressing) and signs the request with SigV4 headers (its
+credential providers stay in charge, refreshed credentials included), and
 :mod:`objfs.rawhttp` sends the GET on a kept-alive connection and receives the body
 straight into the memory tier's buffers. Behind a proxy from the environment they take
 botocore's path instead.
@@ -31,6 +32,8 @@ import boto3
 import botocore.exceptions
 import trio
 from botocore import UNSIGNED
+from botocore.auth import S3SigV4Auth
+from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 
 from objfs import rawhttp
@@ -53,8 +56,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-# Data GETs: presigned URLs live long enough for any retry schedule, short enough to be
-# useless if a log ever held one.
+# Data GETs take their URL from a presigned one (then signed in headers, see _signed_get).
 _URL_EXPIRY_S = 900
 # Retried replies (throttling and server errors); any other status is final.
 _RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
@@ -116,6 +118,7 @@ class S3Backend(Backend):
                 f"AWS profile {options.profile!r} not found: check --profile and "
                 "~/.aws/config (or AWS_CONFIG_FILE)"
             ) from None
+        self._session = session
         self._client = self._make_client(session, endpoint, options.max_attempts)
         self._check_client = self._make_client(session, endpoint, _CHECK_ATTEMPTS)
         self._limiter = trio.CapacityLimiter(options.max_connections)
@@ -299,15 +302,12 @@ class S3Backend(Backend):
         for attempt in range(max(1, self.options.max_attempts)):
             if attempt:
                 time.sleep(_backoff_s(attempt - 1))
-            # Signed anew for every attempt: credentials may have been refreshed.
-            url = self._client.generate_presigned_url(
-                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_URL_EXPIRY_S
-            )
+            url, signed = self._signed_get(key, headers)
             if rawhttp.uses_proxy(url):
                 self._get_into_via_sdk(what, key, etag, start, views)
                 return
             try:
-                reply = self._data.get_into(url, headers, views)
+                reply = self._data.get_into(url, signed, views)
             except rawhttp.ConnectionFailed as exc:
                 last = TransientStoreError(f"{what}: connection failed ({exc})")
                 continue
@@ -335,6 +335,25 @@ class S3Backend(Backend):
             raise error
         assert last is not None
         raise last
+
+    def _signed_get(self, key: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
+        """The object's URL as botocore resolves it (endpoint, addressing style) and
+        ``headers`` plus a SigV4 Authorization header, signed now: refreshed credentials
+        apply, and no credential ever sits in a URL (servers and proxies log URLs)."""
+        presigned = self._client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_URL_EXPIRY_S
+        )
+        url = presigned.split("?", 1)[0]  # the query holds only the presigning parameters
+        if self.options.no_sign_request:
+            return url, headers
+        credentials = self._session.get_credentials()
+        if credentials is None:
+            raise botocore.exceptions.NoCredentialsError()
+        request = AWSRequest(method="GET", url=url, headers=dict(headers))
+        S3SigV4Auth(
+            credentials.get_frozen_credentials(), "s3", self._client.meta.region_name
+        ).add_auth(request)
+        return url, dict(request.headers.items())
 
     def _get_into_via_sdk(
         self, what: str, key: str, etag: str, start: int, views: Sequence[memoryview]

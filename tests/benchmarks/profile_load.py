@@ -14,6 +14,7 @@ daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -80,6 +81,7 @@ def main() -> None:
                 cache.drop()
                 with env.mounted("objfs", cmd, mnt, work / "objfs.log") as m:
                     files = sorted(mnt.glob("*.safetensors"))
+                    reads_before = 0
                     for measure in (phase, "warm"):
                         spy = None
                         if args.py_spy and measure == phase and run == 0:
@@ -127,12 +129,23 @@ def main() -> None:
                             spy.send_signal(2)
                             spy.wait()
                         used = after - before
+                        time.sleep(1.2)  # the status file is rewritten every second
+                        status = json.loads(
+                            subprocess.run(
+                                [str(env.VENV_BIN / "objfs"), "status", "--json", str(mnt)],
+                                capture_output=True,
+                                check=True,
+                            ).stdout
+                        )
+                        served = status["served"]
+                        delta = served["reads"] - reads_before
+                        reads_before = served["reads"]
                         total = sum(used.values())
                         gb = nbytes / 1e9
                         top = ", ".join(f"{k} {v / gb:.2f}" for k, v in sorted(used.items()))
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
-                            f"rss {m.peak_rss_mib():.0f} MiB [{top}]",
+                            f"rss {m.peak_rss_mib():.0f} MiB {delta} reads [{top}]",
                             flush=True,
                         )
     finally:
