@@ -16,15 +16,17 @@
 Reads go through three tiers: the memory :class:`~objfs.block_cache.BlockCache` (a read that
 hits it returns without waiting on anything), the optional persistent
 :class:`~objfs.disk_cache.DiskCache`, and ranged GETs of ``part_size`` bytes. Read-ahead
-(:mod:`objfs.readahead`) decides what to fetch ahead of each sequential stream; files every
-loader reads whole (``*.safetensors``) are fetched ahead from open. A random read of a block
+(:mod:`objfs.readahead`) decides what to fetch ahead of each sequential stream and
+:mod:`objfs.scheduler` fetches it; files every loader reads whole (``*.safetensors``) are
+fetched ahead from open. A block served whole to the kernel is marked in its node's
+``served`` map and never prefetched again for that version. A random read of a block
 that no tier holds fetches only the bytes it touches, rounded to ``RANDOM_READ_ALIGN``, and
 leaves them to the kernel's page cache: a 4 KiB lookup does not wait for a whole block.
 
 Concurrency: everything here runs on the trio thread. Listings are single-flight; a block is
-fetched once however many handles and processes want it (see :mod:`objfs.block_cache`).
-Read-ahead waits for memory budget *before* it claims blocks, so a reader never waits on a
-prefetch that itself waits for the reader to consume something.
+fetched once however many handles and processes want it (see :mod:`objfs.block_cache` and
+:mod:`objfs.scheduler`). A reply is a view of a cached block's buffer, or a pooled buffer for a
+read across blocks; both are consumed by the kernel before the trio thread runs anything else.
 """
 
 from __future__ import annotations
