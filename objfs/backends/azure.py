@@ -51,7 +51,7 @@ import random
 import threading
 import time
 import urllib.parse
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -687,11 +687,11 @@ class AzureBackend(Backend):
             mtime_ns=_mtime_ns(props.last_modified),
         )
 
-    def _get(self, key: str, etag: str, start: int, length: int, block_size: int) -> list[bytes]:
-        """One conditional ranged GET (blocking), retried; ``length`` bytes in blocks."""
+    def _get(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        """One conditional ranged GET (blocking), retried; its bytes fill ``views``."""
+        length = sum(len(v) for v in views)
         what = f"GET {self._url(key)} bytes {start}-{start + length - 1}"
         path = f"{self._container_path}/{urllib.parse.quote(key, safe='~/')}"
-        sizes = [min(block_size, length - i) for i in range(0, length, block_size)]
         expected_range = f"bytes {start}-{start + length - 1}/"
         timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
         last: Exception | None = None
@@ -717,10 +717,15 @@ class AzureBackend(Backend):
                         # Bytes of another range (a broken proxy or server): never pass them on.
                         last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
                         continue
-                    blocks = [resp.read(n, decode_content=False) for n in sizes]
-                    got = sum(len(b) for b in blocks)
+                    got = 0
+                    for view in views:
+                        piece = resp.read(len(view), decode_content=False)
+                        view[: len(piece)] = piece
+                        got += len(piece)
+                        if len(piece) < len(view):
+                            break
                     if got == length:
-                        return blocks
+                        return
                     last = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
                     continue
                 code = resp.headers.get("x-ms-error-code", "")
@@ -776,16 +781,15 @@ class AzureBackend(Backend):
         return False
 
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
-        what = f"GET {self._url(key)} bytes {start}-{start + length - 1}"
-        blocks = await self._call(what, lambda: self._get(key, etag, start, length, length))
-        return blocks[0]
+        buf = bytearray(length)
+        await self.read_into(key, etag, start, [memoryview(buf)])
+        return bytes(buf)
 
-    async def read_blocks(
-        self, key: str, etag: str, start: int, length: int, block_size: int
-    ) -> list[bytes]:
-        """One GET for ``length`` bytes, read into ``block_size`` pieces (see Backend)."""
+    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        """One GET, its body read into ``views`` (see Backend)."""
+        length = sum(len(v) for v in views)
         what = f"GET {self._url(key)} bytes {start}-{start + length - 1}"
-        return await self._call(what, lambda: self._get(key, etag, start, length, block_size))
+        await self._call(what, lambda: self._get(key, etag, start, views))
 
     async def aclose(self) -> None:
         await trio.to_thread.run_sync(self._service.close)
