@@ -33,7 +33,7 @@ share the CPUs):
 | raw http.client | 1168-1712 MB/s | 458-1099 MB/s | 0.26-0.38 ms |
 | SDK defaults | 0.40-0.51x raw | 0.71-0.82x raw | 0.91-1.80 ms |
 | objfs read_range | 0.75-1.02x raw | 1.03-1.13x raw | 0.34-0.38 ms |
-| objfs read_into (1 MiB, what the mount uses; measured as read_blocks) | 0.68-0.90x raw | 1.08-1.24x raw | 0.31-0.41 ms |
+| objfs read_into (1 MiB, the mount's path) | 0.68-0.90x raw | 1.08-1.24x raw | 0.31-0.41 ms |
 
 objfs's data path no longer goes through the SDK: it signs each ranged GET itself (SAS, Shared
 Key or bearer token) and sends it on the SDK's pooled session through urllib3 directly, reading
