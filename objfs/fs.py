@@ -54,7 +54,7 @@ from objfs.errors import (
     StaleObjectError,
 )
 from objfs.readahead import Readahead
-from objfs.scheduler import Fetcher
+from objfs.scheduler import Fetcher, ceil_div
 from objfs.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
@@ -371,7 +371,7 @@ class FileSystem:
         await self._refresh_file(node)
         keep_cache = node.page_cache_etag == node.etag
         if not keep_cache:  # the kernel drops the inode's pages on this open
-            node.served = bytearray(_ceil_div(node.size, self.block_size))
+            node.served = bytearray(ceil_div(node.size, self.block_size))
         node.page_cache_etag = node.etag
         fh = self._new_fh()
         readahead = Readahead(
@@ -512,7 +512,7 @@ class FileSystem:
                 base = indexes[0] * bs
                 return joined[offset - base : end - base]
         start = offset // RANDOM_READ_ALIGN * RANDOM_READ_ALIGN
-        stop = min(handle.size, _ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
+        stop = min(handle.size, ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
 
         async def fetch() -> bytes:
             return await self._read_range(handle, start, stop - start)
@@ -547,7 +547,3 @@ class FileSystem:
             **self.fetcher.statistics(),
             **(self.disk.statistics() if self.disk is not None else {}),
         }
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)

@@ -97,7 +97,7 @@ class Fetcher:
         self.prefetch_workers = prefetch_workers
         self._on_stale = on_stale
         self._nursery: trio.Nursery | None = None
-        self._disk_read_limiter = trio.CapacityLimiter(DISK_READ_THREADS)
+        self.disk_read_limiter = trio.CapacityLimiter(DISK_READ_THREADS)
         self._jobs: collections.deque[_Job] = collections.deque()
         self._starved: list[_Job] = []  # jobs waiting for memory
         self._memory_generation = 0  # counts releases of memory
@@ -130,7 +130,7 @@ class Fetcher:
         return min(self.block_size, handle.size - index * self.block_size)
 
     def block_count(self, handle: Handle) -> int:
-        return _ceil_div(handle.size, self.block_size)
+        return ceil_div(handle.size, self.block_size)
 
     # -- read-ahead ------------------------------------------------------------------------
 
@@ -155,7 +155,7 @@ class Fetcher:
         first = window[0] // bs
         # Round the end up to a part boundary: every GET is a whole part, and every stream and
         # handle asks for the same parts.
-        stop = min(count, _ceil_div(_ceil_div(window[1], bs), part) * part)
+        stop = min(count, ceil_div(ceil_div(window[1], bs), part) * part)
         index = first
         while index < stop:
             part_end = min(stop, (index // part + 1) * part)
@@ -338,7 +338,7 @@ class Fetcher:
                     self._disk_read_into,
                     handle,
                     [(i, blocks[i].view) for i in missing],
-                    limiter=self._disk_read_limiter,
+                    limiter=self.disk_read_limiter,
                 )
                 for index in found:
                     self.cache.put(self.key(handle, index), blocks.pop(index), reservation)
@@ -374,10 +374,6 @@ class Fetcher:
         assert self.disk is not None
         lengths = [self.length(handle, i) for i in indexes]
         return self.disk.read_blocks(handle.key, handle.etag, indexes, lengths)
-
-    @property
-    def disk_read_limiter(self) -> trio.CapacityLimiter:
-        return self._disk_read_limiter
 
     def _write_behind(self, blocks: list[tuple[BlockKey, Block]]) -> None:
         """Queue freshly fetched blocks for the disk tier, pinned until written."""
@@ -439,7 +435,8 @@ class Fetcher:
         }
 
 
-def _ceil_div(a: int, b: int) -> int:
+def ceil_div(a: int, b: int) -> int:
+    """``a / b`` rounded up (for non-negative ``a`` and positive ``b``)."""
     return -(-a // b)
 
 
