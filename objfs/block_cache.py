@@ -1,8 +1,10 @@
 """Memory tier of fixed-size blocks keyed by object version, under one byte budget.
 
 Ownership, in one sentence: **every byte in the budget belongs either to a Reservation (a
-fetch in flight) or to a cached Block, and only a Reservation's or a Block's own methods move
-bytes into or out of the one counter** (``_charged``: reserved plus cached bytes).
+fetch in flight) or to a live Block (cached, or evicted but still pinned by the disk writer),
+and only a Reservation's or a Block's own methods move bytes into or out of the one counter**
+(``_charged``: reserved plus cached plus held bytes). So every pooled buffer in use is inside
+``capacity_bytes``, the disk tier's write queue included.
 
 * A fetch reserves bytes first (``reserve``/``try_reserve`` return a :class:`Reservation`),
   then claims the blocks it will fill. ``put`` moves one block's bytes from the reservation to
@@ -29,8 +31,10 @@ Buffers: a block's bytes live in a page-aligned buffer from :class:`BufferPool`,
 place by the backend (a socket ``recv_into``) or the disk tier, written to disk from the same
 buffer and handed to the kernel as a memoryview: no copy in user space. A buffer goes back to
 the pool when its block has left the cache *and* nobody pins it (``Block.pin``: the disk
-writer does, while it writes); a reader's memoryview is safe without a pin because it is
-handed to the kernel before the trio thread runs anything else.
+writer does, while it writes); an evicted block that is still pinned is *held*: its bytes stay
+charged until the last pin goes, so eviction of a pinned block makes no room. A reader's
+memoryview is safe without a pin because it is handed to the kernel before the trio thread
+runs anything else.
 
 Concurrency invariants (trio, one thread): the LRU, the in-flight table and the budget are
 touched only from the trio thread. A fetch first *claims* the blocks it will fill (``claim``):
@@ -101,7 +105,7 @@ class BufferPool:
 class Block:
     """One cached block: ``view`` (its bytes) over a pooled buffer."""
 
-    __slots__ = ("_cache", "buffer", "cached", "length", "pins", "view")
+    __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "view")
 
     def __init__(self, cache: BlockCache, buffer: mmap.mmap, length: int) -> None:
         self._cache = cache
@@ -110,6 +114,7 @@ class Block:
         self.view = memoryview(buffer)[:length]
         self.pins = 0  # holders that need the bytes beyond the current trio step
         self.cached = False  # in the LRU now
+        self.held = False  # evicted while pinned: still charged to the budget
 
     def __len__(self) -> int:
         return self.length
@@ -127,6 +132,9 @@ class Block:
             self.view.release()
             self._cache.pool.release(self.buffer)
             self.buffer = None  # type: ignore[assignment]
+            if self.held:
+                self.held = False
+                self._cache._unhold(self.length)
 
     def discard(self) -> None:
         """A block that never entered the cache (its fetch failed): free its buffer."""
@@ -187,6 +195,7 @@ class BlockCache:
         self._orphans: OrderedDict[BlockKey, Block] = OrderedDict()
         self._charged = 0  # THE counter: reserved + cached bytes
         self._cached_bytes = 0
+        self._held_bytes = 0  # evicted blocks still pinned (being written to disk)
         self._inflight: dict[BlockKey, trio.Event] = {}
         self._open_versions: Counter[tuple[str, str]] = Counter()
         self._space = trio.Event()  # set (and replaced) whenever bytes are released
@@ -206,7 +215,7 @@ class BlockCache:
 
     @property
     def reserved_bytes(self) -> int:
-        return self._charged - self._cached_bytes
+        return self._charged - self._cached_bytes - self._held_bytes
 
     def _charge(self, delta: int, *, wake: bool = True) -> None:
         """The one place the budget changes."""
@@ -353,8 +362,21 @@ class BlockCache:
     def _drop(self, block: Block, *, wake: bool = True) -> None:
         self._cached_bytes -= len(block)
         block.cached = False
+        if block.pins:  # its buffer lives on until unpinned: so do its bytes in the budget
+            block.held = True
+            self._held_bytes += len(block)
+            return
         self._charge(-len(block), wake=wake)
         block._maybe_free()
+
+    def _unhold(self, nbytes: int) -> None:
+        """A held block's last pin went: its bytes leave the budget."""
+        self._held_bytes -= nbytes
+        self._charge(-nbytes)
+
+    def peek(self, key: BlockKey) -> Block | None:
+        """The cached block for ``key``, or None; no hit counted, no LRU change."""
+        return self._used.get(key) or self._fresh.get(key) or self._orphans.get(key)
 
     def _evict_one(self, *, demand: bool) -> bool:
         """Evict one block: an orphan, else the least recently used block, else (only for a
@@ -384,6 +406,7 @@ class BlockCache:
             "orphaned": self.orphaned,
             "cached_bytes": self._cached_bytes,
             "inflight_bytes": self.reserved_bytes,
+            "held_bytes": self._held_bytes,
             "peak_bytes": self.peak_bytes,
             "capacity_bytes": self.capacity_bytes,
             **self.pool.statistics(),

@@ -339,6 +339,9 @@ class Telemetry:
                 "bytes": fs.get("disk_bytes", 0),
                 "enabled": fs.get("disk_enabled", 0),
                 "limit_bytes": self.config.cache_size_bytes,
+                "write_queue_bytes": fs.get("disk_write_queue_bytes", 0),
+                "writes_deferred": fs.get("disk_writes_deferred", 0),
+                "blocks_not_cached": fs.get("disk_blocks_not_cached", 0),
             }
         served = int(getattr(self.ops, "bytes_served", 0))
         get_latency = stats.latency["get"]
@@ -364,7 +367,9 @@ class Telemetry:
                 "hits": fs.get("hits", 0),
                 "misses": fs.get("misses", fs.get("inserts", 0)),
                 "evictions": fs.get("evictions", 0),
-                "used_bytes": fs.get("cached_bytes", 0) + fs.get("inflight_bytes", 0),
+                "used_bytes": fs.get("cached_bytes", 0)
+                + fs.get("inflight_bytes", 0)
+                + fs.get("held_bytes", 0),
                 "cached_bytes": fs.get("cached_bytes", 0),
                 "peak_bytes": fs.get("peak_bytes", 0),
                 "limit_bytes": fs.get("capacity_bytes", self.config.memory_limit_bytes),
@@ -597,6 +602,12 @@ class _Collector:
             )
             yield counter(
                 "objfs_disk_cache_writes", "Blocks written to the disk cache.", disk["writes"]
+            )
+            yield counter(
+                "objfs_disk_cache_blocks_not_cached",
+                "Fetched blocks not written to the disk cache because the disk fell behind the "
+                "reader and they left memory first.",
+                disk["blocks_not_cached"],
             )
             yield counter(
                 "objfs_disk_cache_corrupt_blocks",

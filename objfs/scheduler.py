@@ -20,9 +20,11 @@
 * **Tiers.** A claimed run is filled from the disk tier where it has the blocks, the rest from
   the store with one ranged GET per run, received straight into the blocks' pooled buffers.
   Blocks fetched from the store are queued for the disk tier behind the reader (write-behind:
-  a reply never waits for a disk write); the blocks waiting for the disk are pinned, and the
-  bytes so pinned are bounded (a quarter of the budget), beyond which blocks are not cached
-  on disk rather than delaying anything.
+  a reply never waits for a disk write); the blocks waiting for the disk are pinned (and stay
+  in the memory budget while pinned), and the bytes so pinned are bounded (a quarter of the
+  budget). A run that finds the queue full is deferred, not waited for: its keys are noted,
+  and once the queue has drained to half the bound the blocks of deferred runs that are still
+  in memory are queued; those evicted meanwhile are not cached on disk (counted).
 
 Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
 buffers the trio thread owns and never touch the cache.
@@ -53,6 +55,10 @@ log = logging.getLogger(__name__)
 # they are behind the reader, and more would only compete with it for the CPU.
 DISK_READ_THREADS = 4
 DISK_WRITE_THREADS = 2
+# Blocks per queued disk write (the disk tier writes runs of up to 8 blocks per pwritev).
+WRITE_RUN_BLOCKS = 8
+# Deferred write-behind runs remembered (keys only); older ones are forgotten.
+DEFERRED_RUNS = 4096
 
 
 @dataclass
@@ -111,7 +117,9 @@ class Fetcher:
         self._disk_queued = trio.Event()
         self._disk_write_bytes = 0
         self._disk_written = trio.Event()  # set whenever a queued disk write finishes
-        self.disk_skipped = 0  # runs not written because the disk was behind
+        self._deferred: collections.deque[list[BlockKey]] = collections.deque(maxlen=DEFERRED_RUNS)
+        self.disk_deferred = 0  # runs that found the write queue full
+        self.disk_not_cached = 0  # blocks of deferred runs evicted before they were written
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -376,22 +384,58 @@ class Fetcher:
         return self.disk.read_blocks(handle.key, handle.etag, indexes, lengths)
 
     def _write_behind(self, blocks: list[tuple[BlockKey, Block]]) -> None:
-        """Queue freshly fetched blocks for the disk tier, pinned until written."""
+        """Queue freshly fetched blocks (consecutive ones of one version) for the disk tier,
+        pinned until written, in pieces that fit half the queue; a piece that finds the queue
+        full is deferred."""
         disk = self.disk
-        if disk is None or not disk.enabled or self._nursery is None or not blocks:
+        if disk is None or not disk.enabled or self._nursery is None:
             return
-        nbytes = sum(len(b) for _, b in blocks)
-        # Pinned blocks may outlive their place in the cache: bound them.
-        if self._disk_write_bytes + nbytes > self.cache.capacity_bytes // 4:
-            self.disk_skipped += 1
-            first = blocks[0][0]
-            log.debug("disk cache behind; not caching %s block %d+", first.key, first.block)
-            return
-        for _, block in blocks:
+        step = self._piece_blocks()
+        for at in range(0, len(blocks), step):
+            piece = blocks[at : at + step]
+            if not self._enqueue_write(piece):
+                self.disk_deferred += 1
+                if len(self._deferred) == self._deferred.maxlen:
+                    self.disk_not_cached += len(self._deferred[0])
+                self._deferred.append([key for key, _ in piece])
+
+    def _enqueue_write(self, piece: list[tuple[BlockKey, Block]]) -> bool:
+        nbytes = sum(len(b) for _, b in piece)
+        # Pinned blocks stay in the budget: bound them, so read-ahead keeps most of it.
+        if self._disk_write_bytes + nbytes > self._disk_queue_limit():
+            return False
+        for _, block in piece:
             block.pin()
         self._disk_write_bytes += nbytes
-        self._disk_queue.append(blocks)
+        self._disk_queue.append(piece)
         self._disk_queued.set()
+        return True
+
+    def _disk_queue_limit(self) -> int:
+        return max(2 * self.block_size, self.cache.capacity_bytes // 4)
+
+    def _piece_blocks(self) -> int:
+        return max(1, min(WRITE_RUN_BLOCKS, self._disk_queue_limit() // 2 // self.block_size))
+
+    def _requeue_deferred(self) -> None:
+        """Once the queue is half empty, queue the deferred blocks still in memory."""
+        disk = self.disk
+        if disk is None or not disk.enabled:
+            self._deferred.clear()
+            return
+        while self._deferred and self._disk_write_bytes <= self._disk_queue_limit() // 2:
+            keys = self._deferred.popleft()
+            pieces: list[list[tuple[BlockKey, Block]]] = []
+            for key in keys:
+                block = self.cache.peek(key)
+                if block is None:
+                    self.disk_not_cached += 1
+                elif pieces and key.block == pieces[-1][-1][0].block + 1:
+                    pieces[-1].append((key, block))
+                else:
+                    pieces.append([(key, block)])
+            for piece in pieces:  # each fits: at most half the queue, which is half empty
+                self._enqueue_write(piece)
 
     async def _disk_writer(self) -> None:
         disk = self.disk
@@ -418,6 +462,7 @@ class Fetcher:
                 for _, block in run:
                     block.unpin()
                 self._disk_write_bytes -= nbytes
+                self._requeue_deferred()
                 self._disk_written.set()
                 self._disk_written = trio.Event()
 
@@ -431,7 +476,8 @@ class Fetcher:
             "queued_jobs": len(self._jobs),
             "starved_jobs": len(self._starved),
             "disk_write_queue_bytes": self._disk_write_bytes,
-            "disk_writes_skipped": self.disk_skipped,
+            "disk_writes_deferred": self.disk_deferred,
+            "disk_blocks_not_cached": self.disk_not_cached,
         }
 
 

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import trio
 
 from objfs.backends.memory import MemoryBackend
 from objfs.block_cache import BlockCache, BlockKey
 from objfs.config import MountConfig
+from objfs.disk_cache import DiskCache
 from objfs.fs import ROOT_INODE, FileSystem
 from tests.test_read_path import config as read_path_config
 from tests.test_read_path import disk_cache
@@ -60,7 +64,7 @@ async def test_blocks_evicted_while_queued_for_disk_reach_it_intact(tmp_path: Pa
         assert stats["buffers_allocated"] == stats["buffers_free"] + cached_blocks(fs.cache)
         assert stats["buffers_allocated"] <= fs.cache.pool.max_mapped
         written = fs.statistics()["disk_writes"]
-        skipped = fs.statistics()["disk_writes_skipped"]
+        skipped = fs.statistics()["disk_blocks_not_cached"]
         nursery.cancel_scope.cancel()
     assert written + skipped > 0
     # What reached the disk is the object's bytes, block for block.
@@ -75,7 +79,7 @@ async def test_blocks_evicted_while_queued_for_disk_reach_it_intact(tmp_path: Pa
                 == hashlib.sha256(data[index * MiB : (index + 1) * MiB]).digest()
             ), f"block {index} on disk differs"
             checked += 1
-    # Every block written is intact (the rest were skipped while the disk was behind).
+    # Every block written is intact (the rest were evicted while the disk was behind).
     assert checked == written > 0
 
 
@@ -96,3 +100,88 @@ async def test_a_read_straddling_blocks_is_copied_before_the_next_fetch(tmp_path
             assert got == data[offset : offset + MiB], f"read at {offset}"
         fs.release(fh)
         nursery.cancel_scope.cancel()
+
+
+class GatedDisk(DiskCache):
+    """A disk tier whose writes wait until ``gate`` opens (a disk far behind the reader)."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(
+            str(directory),
+            namespace="memory://",
+            block_size=MiB,
+            size_limit_bytes=1 << 30,
+            min_free_bytes=0,
+        )
+        self.gate = threading.Event()
+
+    def write_blocks(self, key: str, etag: str, first_index: int, blocks: Sequence[Any]) -> int:
+        if not self.gate.wait(timeout=30):
+            raise AssertionError("the gate never opened")
+        return super().write_blocks(key, etag, first_index, blocks)
+
+
+async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: Path) -> None:
+    """The read finishes while no disk write can (no reply waits for the disk); the queue
+    holds at most a quarter of the budget, pinned and charged to it; once the disk catches
+    up, the deferred blocks still in memory are written, so the disk tier ends complete."""
+    data = os.urandom(16 * MiB)
+    backend = MemoryBackend(latency_s=0.001)
+    backend.put("p/model.bin", data)
+    disk = GatedDisk(tmp_path / "cache")
+    async with trio.open_nursery() as nursery:
+        fs = FileSystem(backend, config(memory_limit_bytes=32 * MiB), disk)
+        fs.start(nursery)
+        try:
+            with trio.fail_after(20):
+                assert await read_file(fs, "model.bin", len(data)) == data
+            stats = fs.statistics()
+            assert stats["disk_writes"] == 0
+            assert stats["disk_writes_deferred"] > 0
+            # The queue (8 MiB, a quarter of the budget) is pinned and inside the budget.
+            assert stats["disk_write_queue_bytes"] == 8 * MiB
+            assert fs.cache.used_bytes <= 32 * MiB
+        finally:
+            disk.gate.set()
+        with trio.fail_after(20):
+            await fs.flush_disk_writes()
+        stats = fs.statistics()
+        nursery.cancel_scope.cancel()
+    assert stats["disk_blocks_not_cached"] == 0
+    assert stats["disk_writes"] == 16
+    etag = (await backend.head("p/model.bin")).etag
+    for index in range(16):
+        got = disk.read(BlockKey("p/model.bin", etag, index), MiB)
+        assert got is not None, f"block {index} is not on disk"
+        assert got == data[index * MiB : (index + 1) * MiB], f"block {index} differs"
+
+
+def test_an_evicted_block_stays_charged_while_pinned() -> None:
+    """Evicting a block the disk writer pins makes no room: its buffer is still in use."""
+    cache = BlockCache(2 * MiB, block_size=MiB)
+    cache.open_version("k", "e")
+    blocks = []
+    for index in range(2):
+        reservation = cache.try_reserve(MiB, demand=True)
+        assert reservation is not None
+        block = cache.new_block(MiB)
+        cache.put(BlockKey("k", "e", index), block, reservation)
+        assert cache.get_nowait(BlockKey("k", "e", index)) is not None  # read: used
+        blocks.append(block)
+    blocks[0].pin()
+    blocks[1].pin()
+    # Both are evicted for a new reservation, but their bytes stay charged: no room.
+    assert cache.try_reserve(MiB, demand=False) is None
+    assert cache.used_bytes == 2 * MiB
+    assert cache.statistics()["held_bytes"] == 2 * MiB
+    blocks[0].unpin()  # written: its buffer goes back, its bytes leave the budget
+    assert cache.used_bytes == MiB
+    reservation = cache.try_reserve(MiB, demand=False)
+    assert reservation is not None
+    assert cache.used_bytes == 2 * MiB
+    reservation.release()
+    blocks[1].unpin()
+    assert cache.used_bytes == 0
+    assert cache.statistics()["held_bytes"] == 0
+    stats = cache.statistics()
+    assert stats["buffers_allocated"] == stats["buffers_free"]

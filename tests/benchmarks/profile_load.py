@@ -82,6 +82,7 @@ def main() -> None:
                 with env.mounted("objfs", cmd, mnt, work / "objfs.log") as m:
                     files = sorted(mnt.glob("*.safetensors"))
                     reads_before = 0
+                    fetched_before = 0
                     for measure in (phase, "warm"):
                         spy = None
                         if args.py_spy and measure == phase and run == 0:
@@ -140,12 +141,15 @@ def main() -> None:
                         served = status["served"]
                         delta = served["reads"] - reads_before
                         reads_before = served["reads"]
+                        fetched = status["store"]["bytes_fetched"] - fetched_before
+                        fetched_before = status["store"]["bytes_fetched"]
                         total = sum(used.values())
                         gb = nbytes / 1e9
                         top = ", ".join(f"{k} {v / gb:.2f}" for k, v in sorted(used.items()))
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
-                            f"rss {m.peak_rss_mib():.0f} MiB {delta} reads [{top}]",
+                            f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
+                            f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']}",
                             flush=True,
                         )
     finally:
