@@ -441,13 +441,18 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
         load_credentials_file(credentials)
 
     def make_backend() -> Backend:
+        from objfs.credentials import CredentialWatch
+
         if config.source.store == "azure":
             from objfs.backends.azure import AzureBackend
 
-            return AzureBackend(config.source, config.azure)
+            # Re-read on change and on an authentication failure (see CredentialWatch).
+            watch = CredentialWatch.open(credentials, config.azure.sas_token_file)
+            return AzureBackend(config.source, config.azure, credential_watch=watch)
         from objfs.backends.s3 import S3Backend
 
-        return S3Backend(config.source.bucket, config.s3)
+        watch = CredentialWatch.open(credentials)
+        return S3Backend(config.source.bucket, config.s3, credential_watch=watch)
 
     return mount.serve(config, make_backend, args.daemon_ready_fd)
 

@@ -31,6 +31,14 @@ pipeline, whose per-request CPU cost showed in single-stream throughput. The bod
 from the socket straight into block-sized ``bytes`` (no join, no content decoding).
 ``tests/benchmarks/azure_sdk_vs_raw.py`` measures this path against plain ranged GETs.
 
+Rotated credentials: with ``--sas-token-file`` or ``--credentials-file``, requests poll the
+:class:`CredentialWatch` (a stat at most once a second); when a file changed, the credential
+is resolved again from it and replaces the current one (a SAS in place, in the credential
+object the SDK and the data path's signer share; a key with a new client). A request refused
+for its credentials (401/403) re-reads the files at once and, if they now hold another
+credential, is sent once more: one extra try of the same loop (listings and HEADs: one more
+call of the SDK, whose retry policy never repeats a 403).
+
 Secrets never reach a log, an error or a process title: SDK exception texts can hold request
 URLs with SAS signatures, so errors are built from the error code and status only, and the
 SDK's own loggers are limited to warnings.
@@ -72,6 +80,7 @@ from urllib3.util.retry import Retry
 
 from objfs.backends.base import Backend, ListPage, ObjectInfo
 from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source, redact_url
+from objfs.credentials import CredentialWatch
 from objfs.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -114,6 +123,15 @@ _RETRY_CODES = {"ServerBusy", "OperationTimedOut", "InternalError"}
 
 # Service error codes (https://learn.microsoft.com/rest/api/storageservices/blob-service-error-codes).
 _AUTHENTICATION_CODES = {"AuthenticationFailed", "InvalidAuthenticationInfo"}
+# Credential sources a changed file can replace (the kinds resolve_credentials names).
+_FILE_KINDS = {
+    "AZURE_STORAGE_CONNECTION_STRING",
+    "AZURE_STORAGE_KEY",
+    "--sas-token-file",
+    "AZURE_STORAGE_SAS_TOKEN",
+}
+# Refusals that fresher credentials may cure: re-read the credential files and try once more.
+_AUTH_RETRY_STATUSES = {401, 403}
 _ANONYMOUS_REFUSED_CODES = {
     "NoAuthenticationInformation",
     "PublicAccessNotPermitted",
@@ -506,10 +524,15 @@ class AzureBackend(Backend):
         *,
         env: Mapping[str, str] | None = None,
         page_size: int | None = None,
+        credential_watch: CredentialWatch | None = None,
     ) -> None:
         self.container = source.bucket
         self.options = options
         self.page_size = page_size
+        self._source = source
+        self._watch = credential_watch
+        if env is None and credential_watch is not None:
+            env = credential_watch.environ  # the credentials file as the watch read it
         creds = resolve_credentials(source, options, env)
         self.account_url = creds.account_url
         self.account_name = creds.account_name
@@ -523,25 +546,72 @@ class AzureBackend(Backend):
         log.info("Azure credentials: %s", creds.kind)
         # +2: listings and HEADs run beside a full set of ranged GETs.
         self._session = _session(self.account_url, options.max_connections + 2)
+        self._use_credentials(creds)
+        self._limiter = trio.CapacityLimiter(options.max_connections)
+        parsed = urllib.parse.urlsplit(self.account_url)
+        self._origin = f"{parsed.scheme}://{parsed.netloc}"
+        # The account URL's own path (Azurite: /ACCOUNT), then the container.
+        self._container_path = f"{parsed.path.rstrip('/')}/{urllib.parse.quote(self.container)}"
+        if credential_watch is not None:
+            credential_watch.bind(self._prepare_credentials)
+
+    def _use_credentials(self, creds: Credentials) -> None:
+        """Sign with ``creds`` from now on: a new signer and SDK client (listings in progress
+        go on with it from their next page)."""
+        self._credential = creds.credential
         self._signer = _Signer(creds)
         self._service = BlobServiceClient(
             self.account_url,
             credential=creds.credential,
             session=self._session,
-            connection_timeout=options.connect_timeout_s,
-            read_timeout=options.read_timeout_s,
-            retry_policy=_JitteredRetry(retry_total=max(options.max_attempts - 1, 0)),
+            connection_timeout=self.options.connect_timeout_s,
+            read_timeout=self.options.read_timeout_s,
+            retry_policy=_JitteredRetry(retry_total=max(self.options.max_attempts - 1, 0)),
             max_single_get_size=_MAX_GET_BYTES,
             max_chunk_get_size=_MAX_GET_BYTES,
             connection_data_block_size=_READ_BLOCK_BYTES,
             user_agent="objfs",
         )
         self._container = self._service.get_container_client(self.container)
-        self._limiter = trio.CapacityLimiter(options.max_connections)
-        parsed = urllib.parse.urlsplit(self.account_url)
-        self._origin = f"{parsed.scheme}://{parsed.netloc}"
-        # The account URL's own path (Azurite: /ACCOUNT), then the container.
-        self._container_path = f"{parsed.path.rstrip('/')}/{urllib.parse.quote(self.container)}"
+
+    # -- rotated credentials -----------------------------------------------------------------
+
+    def _prepare_credentials(self, environ: Mapping[str, str]) -> Callable[[], None]:
+        """(CredentialWatch) The credential the files now give, to be put in use by the
+        returned function; raises UsageError if they give none or another account's."""
+        if self.credential_kind not in _FILE_KINDS:
+            return lambda: None  # identity or anonymous: no file to take a credential from
+        creds = resolve_credentials(self._source, self.options, environ)
+        if creds.kind not in _FILE_KINDS:
+            raise UsageError(
+                "the credential files hold no account key, connection string or SAS token"
+            )
+        if creds.account_url != self.account_url or creds.account_name != self.account_name:
+            raise UsageError("the new credentials are for another account or endpoint")
+        current, new = self._credential, creds.credential
+
+        def commit() -> None:
+            if isinstance(current, AzureSasCredential) and isinstance(new, AzureSasCredential):
+                # In place: the SDK's clients (listings in progress too) and the signer read
+                # the token from this object on every request.
+                current.update(new.signature)
+            else:
+                # The SDK copies an account key into its signing policy: a new client.
+                self._use_credentials(creds)
+            self.credential_kind = creds.kind
+
+        return commit
+
+    def _credentials_generation(self) -> int:
+        """(Worker thread) Check the credential files (cheap; see CredentialWatch.poll)."""
+        return 0 if self._watch is None else self._watch.poll()
+
+    def _newer_credentials(self, status: int, generation: int) -> int | None:
+        """(Worker thread) For a request signed at ``generation`` that got HTTP ``status``:
+        the generation of newer credentials to try once more with, else None."""
+        if self._watch is None or status not in _AUTH_RETRY_STATUSES:
+            return None
+        return self._watch.newer_than(generation)
 
     # -- error mapping ---------------------------------------------------------------------
 
@@ -618,8 +688,17 @@ class AzureBackend(Backend):
         return TransientStoreError(f"{what}: store error {label}")
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
+        def call() -> T:
+            generation = self._credentials_generation()
+            try:
+                return fn()
+            except HttpResponseError as exc:
+                if self._newer_credentials(int(exc.status_code or 0), generation) is None:
+                    raise
+            return fn()  # once more, signed with the reloaded credentials
+
         try:
-            return await trio.to_thread.run_sync(fn, limiter=self._limiter)
+            return await trio.to_thread.run_sync(call, limiter=self._limiter)
         except Exception as exc:
             raise self._map_error(exc, what) from None
 
@@ -639,15 +718,28 @@ class AzureBackend(Backend):
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         what = f"listing {self._url(prefix)}"
-        pages = self._container.walk_blobs(
-            name_starts_with=prefix or None,
-            delimiter="/",
-            include=["metadata"],
-            results_per_page=self.page_size,
-        ).by_page()
+
+        def open_pages(token: str | None) -> Any:
+            return self._container.walk_blobs(
+                name_starts_with=prefix or None,
+                delimiter="/",
+                include=["metadata"],
+                results_per_page=self.page_size,
+            ).by_page(continuation_token=token)
+
+        client = self._container
+        pages = open_pages(None)
+
+        def next_page() -> list[Any] | None:
+            nonlocal client, pages
+            if client is not self._container:
+                # New credentials, new client: go on from the same page with it.
+                client, pages = self._container, open_pages(pages.continuation_token)
+            return _next_page(pages)
+
         seen: set[str] = set()  # a directory blob and its contents name one prefix twice
         while True:
-            items = await self._call(what, lambda: _next_page(pages))
+            items = await self._call(what, next_page)
             if items is None:
                 return
             objects: list[ObjectInfo] = []
@@ -676,8 +768,9 @@ class AzureBackend(Backend):
 
     async def head(self, key: str) -> ObjectInfo:
         what = f"HEAD {self._url(key)}"
-        blob = self._container.get_blob_client(key)
-        props = await self._call(what, blob.get_blob_properties)
+        props = await self._call(
+            what, lambda: self._container.get_blob_client(key).get_blob_properties()
+        )
         if _is_folder(props.metadata):
             raise ObjectNotFoundError(f"{what}: a directory blob, not a file")
         return ObjectInfo(
@@ -688,16 +781,26 @@ class AzureBackend(Backend):
         )
 
     def _get(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
-        """One conditional ranged GET (blocking), retried; its bytes fill ``views``."""
+        """One conditional ranged GET (blocking), retried; its bytes fill ``views``. A
+        refusal of the credentials is tried once more, at once, if the credential files now
+        hold newer ones."""
         length = sum(len(v) for v in views)
         what = f"GET {self._url(key)} bytes {start}-{start + length - 1}"
         path = f"{self._container_path}/{urllib.parse.quote(key, safe='~/')}"
         expected_range = f"bytes {start}-{start + length - 1}/"
         timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
+        attempts = max(1, self.options.max_attempts)
+        failures = 0  # tries that failed in a retryable way
+        reloaded = False  # the one try with reloaded credentials is spent
+        generation = self._credentials_generation()
         last: Exception | None = None
-        for attempt in range(max(1, self.options.max_attempts)):
-            if attempt:
-                time.sleep(_backoff_s(attempt - 1))
+        while True:
+            if last is not None:
+                failures += 1
+                if failures >= attempts:
+                    raise last
+                time.sleep(_backoff_s(failures - 1))
+                last = None
             headers = {"x-ms-range": f"bytes={start}-{start + length - 1}"}
             if etag:
                 headers["If-Match"] = etag
@@ -735,13 +838,14 @@ class AzureBackend(Backend):
                 if status == 412 and self._deleted(key):
                     # If-Match fails for a deleted blob too: "deleted" is ENOENT, as on S3.
                     raise ObjectNotFoundError(f"{what}: not found")
-                raise self._map_status(code, status, what, redact_url(self.account_url))
+                newer = None if reloaded else self._newer_credentials(status, generation)
+                if newer is None:
+                    raise self._map_status(code, status, what, redact_url(self.account_url))
+                reloaded, generation = True, newer  # at once, not counted as a failure
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
                 last = TransientStoreError(f"{what}: body broke off ({type(exc).__name__})")
             finally:
                 resp.release_conn() if resp.length_remaining == 0 else resp.close()
-        assert last is not None
-        raise last
 
     def _send(
         self, url: str, headers: dict[str, str], timeout: tuple[float, float]

@@ -15,6 +15,14 @@ botocore's path instead.
 Retries: one layer per request. Data GETs: objfs's own loop (``max_attempts`` in all, jittered
 backoff) retries connection failures, throttling and 5xx, short bodies and replies for the
 wrong range. Listings and HEADs: botocore's "standard" mode, with the same ``max_attempts``.
+
+Rotated credentials: with ``--credentials-file``, keys taken from the environment (botocore's
+``env`` provider, which the file feeds) sit in a :class:`_ReloadableCredentials` shared by
+the clients and the data path's signer. Requests poll the :class:`CredentialWatch` (a stat at
+most once a second); when the file changed, new requests are signed with its keys. A request
+refused for its credentials (401/403, or an expired or unknown key) re-reads the file at once
+and, if it now holds other keys, is sent once more with them: one extra try of the same
+loop (listings and HEADs: one more call of the SDK, whose retries never repeat a 403).
 """
 
 from __future__ import annotations
@@ -25,11 +33,13 @@ import os
 import random
 import re
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import boto3
+import botocore.credentials
 import botocore.exceptions
+import botocore.session
 import trio
 from botocore import UNSIGNED
 from botocore.auth import S3SigV4Auth
@@ -39,6 +49,7 @@ from botocore.config import Config
 from objfs import rawhttp
 from objfs.backends.base import Backend, ListPage, ObjectInfo
 from objfs.config import S3Options, redact_url
+from objfs.credentials import CredentialWatch
 from objfs.errors import (
     AccessDeniedError,
     BucketNotFoundError,
@@ -76,6 +87,9 @@ _CREDENTIAL_CODES = {
     "TokenRefreshRequired",
     "InvalidClientTokenId",
 }
+# Refusals that fresher credentials may cure: re-read the credential files and try once more.
+_AUTH_RETRY_CODES = _CREDENTIAL_CODES | _ACCESS_CODES
+_AUTH_RETRY_STATUSES = {401, 403}
 _NETWORK_ERRORS = (
     botocore.exceptions.EndpointConnectionError,
     botocore.exceptions.ConnectTimeoutError,
@@ -98,8 +112,65 @@ def _mtime_ns(value: _dt.datetime) -> int:
     return int(value.timestamp()) * 1_000_000_000 + value.microsecond * 1000
 
 
+class _ReloadableCredentials:
+    """Credentials (botocore's interface) whose source can be replaced while clients use
+    them. botocore signs each request with one ``get_frozen_credentials()`` call, so a request
+    is never signed with half of the old keys and half of the new ones."""
+
+    def __init__(self, inner: botocore.credentials.Credentials) -> None:
+        self._inner = inner
+        self.method = inner.method
+
+    def replace(self, inner: botocore.credentials.Credentials) -> None:
+        self._inner = inner  # one reference swap: atomic for the signing threads
+
+    def get_frozen_credentials(self) -> botocore.credentials.ReadOnlyCredentials:
+        return self._inner.get_frozen_credentials()
+
+    def get_deferred_property(self, name: str) -> Callable[[], Any]:
+        return lambda: getattr(self.get_frozen_credentials(), name, None)
+
+    @property
+    def access_key(self) -> str | None:
+        return self.get_frozen_credentials().access_key
+
+    @property
+    def secret_key(self) -> str | None:
+        return self.get_frozen_credentials().secret_key
+
+    @property
+    def token(self) -> str | None:
+        return self.get_frozen_credentials().token
+
+    @property
+    def account_id(self) -> str | None:
+        return self.get_frozen_credentials().account_id
+
+
+class _ReloadableResolver:
+    """botocore's credential resolver, with credentials from the environment made
+    reloadable (the others, profiles and roles, refresh themselves or are left alone)."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.credentials: _ReloadableCredentials | None = None
+
+    def load_credentials(self) -> Any:
+        found: botocore.credentials.Credentials | None = self._inner.load_credentials()
+        if found is not None and found.method == "env":
+            self.credentials = _ReloadableCredentials(found)
+            return self.credentials
+        return found
+
+
 class S3Backend(Backend):
-    def __init__(self, bucket: str, options: S3Options) -> None:
+    def __init__(
+        self,
+        bucket: str,
+        options: S3Options,
+        *,
+        credential_watch: CredentialWatch | None = None,
+    ) -> None:
         self.bucket = bucket
         self.options = options
         endpoint = options.endpoint_url or os.environ.get("AWS_ENDPOINT_URL") or None
@@ -111,8 +182,15 @@ class S3Backend(Backend):
                 f"--ca-bundle: {options.ca_bundle!r} is not a file: give the PEM file of the "
                 "CA that signed the endpoint's certificate"
             )
+        core = botocore.session.Session()
+        self._resolver: _ReloadableResolver | None = None
+        self._watch = credential_watch
+        if credential_watch is not None and not options.no_sign_request and not options.profile:
+            # (With --profile, botocore skips the environment: nothing here to reload.)
+            self._resolver = _ReloadableResolver(core.get_component("credential_provider"))
+            core.register_component("credential_provider", self._resolver)
         try:
-            session = boto3.session.Session(profile_name=options.profile)
+            session = boto3.session.Session(profile_name=options.profile, botocore_session=core)
         except botocore.exceptions.ProfileNotFound:
             raise NoCredentialsError(
                 f"AWS profile {options.profile!r} not found: check --profile and "
@@ -131,6 +209,44 @@ class S3Backend(Backend):
             ca_file=ca_file,
             max_idle=options.max_connections,
         )
+        if credential_watch is not None:
+            credential_watch.bind(self._prepare_credentials)
+            if self._resolver is not None and self._session.get_credentials() is not None:
+                # The keys as the watch read the file (it may have changed since the start).
+                self._prepare_credentials(credential_watch.environ)()
+
+    def _prepare_credentials(self, environ: Mapping[str, str]) -> Callable[[], None]:
+        """(CredentialWatch) Keys from ``environ`` (the credentials file's values), to be put
+        in use by the returned function; raises NoCredentialsError if they are incomplete."""
+        current = None if self._resolver is None else self._resolver.credentials
+        if current is None:
+            return lambda: None  # not signed with keys from the environment: nothing to swap
+        try:
+            found = botocore.credentials.EnvProvider(environ=environ).load()
+        except botocore.exceptions.PartialCredentialsError as exc:
+            raise NoCredentialsError(
+                f"--credentials-file: {exc.kwargs.get('cred_var', 'a variable')} is missing"
+            ) from None
+        if found is None:
+            raise NoCredentialsError(
+                "--credentials-file holds no AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY"
+            )
+        return lambda: current.replace(found)
+
+    def _credentials_generation(self) -> int:
+        """(Worker thread) Check the credential files (cheap; see CredentialWatch.poll)."""
+        return 0 if self._watch is None else self._watch.poll()
+
+    def _newer_credentials(self, exc: Exception, generation: int) -> int | None:
+        """(Worker thread) For a request signed at ``generation`` that failed with ``exc``:
+        the generation of newer credentials to try once more with, else None."""
+        if self._watch is None or not isinstance(exc, botocore.exceptions.ClientError):
+            return None
+        code = str(exc.response.get("Error", {}).get("Code", ""))
+        status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
+        if code not in _AUTH_RETRY_CODES and status not in _AUTH_RETRY_STATUSES:
+            return None
+        return self._watch.newer_than(generation)
 
     def _make_client(
         self, session: boto3.session.Session, endpoint: str | None, attempts: int
@@ -218,9 +334,18 @@ class S3Backend(Backend):
         return TransientStoreError(f"{what}: unexpected {type(exc).__name__}")
 
     async def _call(self, what: str, fn: Any, /, **kwargs: Any) -> Any:
+        def call() -> Any:
+            generation = self._credentials_generation()
+            try:
+                return fn(**kwargs)
+            except botocore.exceptions.ClientError as exc:
+                if self._newer_credentials(exc, generation) is None:
+                    raise
+            return fn(**kwargs)  # once more, signed with the reloaded credentials
+
         try:
             return await trio.to_thread.run_sync(
-                lambda: fn(**kwargs), limiter=self._limiter, abandon_on_cancel=False
+                call, limiter=self._limiter, abandon_on_cancel=False
             )
         except Exception as exc:
             raise self._map_error(exc, what) from exc
@@ -292,19 +417,36 @@ class S3Backend(Backend):
     ) -> None:
         """(Worker thread) One ranged GET into ``views``, with objfs's one retry layer:
         connection failures, 5xx/throttling, short bodies and wrong ranges are retried
-        ``max_attempts`` times in all, with jittered backoff; any other reply is final."""
+        ``max_attempts`` times in all, with jittered backoff; a refusal of the credentials
+        is tried once more, at once, if the credential files now hold newer ones; any other
+        reply is final."""
         length = sum(len(v) for v in views)
         expected_range = f"bytes {start}-{start + length - 1}/"
         headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
         if etag:
             headers["If-Match"] = etag
+        attempts = max(1, self.options.max_attempts)
+        failures = 0  # tries that failed in a retryable way
+        reloaded = False  # the one try with reloaded credentials is spent
+        generation = self._credentials_generation()
         last: Exception | None = None
-        for attempt in range(max(1, self.options.max_attempts)):
-            if attempt:
-                time.sleep(_backoff_s(attempt - 1))
+        while True:
+            if last is not None:
+                failures += 1
+                if failures >= attempts:
+                    raise last
+                time.sleep(_backoff_s(failures - 1))
+                last = None
             url, signed = self._signed_get(key, headers)
             if rawhttp.uses_proxy(url):
-                self._get_into_via_sdk(what, key, etag, start, views)
+                try:
+                    self._get_into_via_sdk(what, key, etag, start, views)
+                except botocore.exceptions.ClientError as exc:
+                    newer = None if reloaded else self._newer_credentials(exc, generation)
+                    if newer is None:
+                        raise
+                    reloaded, generation = True, newer
+                    continue
                 return
             try:
                 reply = self._data.get_into(url, signed, views)
@@ -332,9 +474,10 @@ class S3Backend(Backend):
             if reply.status in _RETRY_STATUSES or code in _RETRY_CODES:
                 last = self._map_error(error, what)
                 continue
-            raise error
-        assert last is not None
-        raise last
+            newer = None if reloaded else self._newer_credentials(error, generation)
+            if newer is None:
+                raise error
+            reloaded, generation = True, newer  # at once, not counted as a failure
 
     def _signed_get(self, key: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
         """The object's URL as botocore resolves it (endpoint, addressing style) and
