@@ -280,6 +280,10 @@ class MountConfig:
     # One minute: a model bucket changes rarely, and the cache answers the hundreds of stats a
     # model loader issues; use 'indefinite' for immutable buckets, 0 for read-after-write.
     metadata_ttl_s: float = 60.0
+    # How long past its TTL known metadata may be served while the store is unreachable
+    # (connection refused, timeouts, 5xx): a day, so an outage does not fail reads of cached
+    # models; 0 fails at once (strict).
+    max_stale_s: float = 86400.0
     uid: int | None = None
     gid: int | None = None
     # 1 MiB: the unit of caching and of a random read (rounded to a block); the kernel sends

@@ -7,9 +7,27 @@
 * Names come from one ``/``-delimited listing level. A name that POSIX cannot hold (empty,
   ``.``, ``..``, NUL, over 255 bytes) is skipped with a warning, once per key. A key and a
   prefix of the same name: the directory wins and the file is hidden, with one warning.
-* Metadata (one listing per directory, and each file's size/ETag/mtime) is cached for
-  ``metadata_ttl_s``; lookups of missing names are answered from the same listing.
-* Inode numbers are assigned once per (kind, key) and never reused while mounted.
+* **One inode per object version.** A file's inode stands for one (key, ETag): its size and
+  mtime never change, so the kernel's page cache of an inode can only hold that version's
+  bytes. When a HEAD, a probe or a listing sees a new ETag, the name points at a new inode and
+  the old one is *superseded*: its open handles keep reading their version (cached bytes, or
+  StaleObjectError once the store has only the new one), and opening it answers ESTALE, on
+  which the kernel looks the path up again and opens the new inode. Inode numbers are never
+  reused while mounted; a node is freed once the kernel forgot it (``forget``), no handle has
+  it open and no cached listing or probe names it.
+* Metadata is cached for ``metadata_ttl_s``: a directory's listing, each name looked up
+  without a fresh listing (a *probe*), and each file's attributes (a single-flight HEAD,
+  shared by every handle and process that asks). ``readdir`` lists the whole directory. A
+  lookup without a fresh listing asks for the listing's first page only: if that is the whole
+  directory (the usual model directory) it is cached and answers every name; if not, the
+  directory is marked big and the name is probed instead (a HEAD of the key and a one-page
+  listing under ``key/`` at once), as every later lookup in it is: a lookup never lists a
+  huge parent. A listing never overrides a version that a request which started later saw.
+* **Stale but available.** When refreshing a listing, a probe or a file's attributes fails
+  because the store is unreachable (connection refused, timeout, 5xx after retries), what is
+  known is served for up to ``max_stale_s`` past its TTL (0: strict, fail instead). One
+  warning per outage; during an outage the store is tried again at most every
+  ``OUTAGE_RETRY_S`` and other requests get the known answer at once instead of waiting.
 * An open handle is pinned to the ETag the object had at open; every read of that handle is
   conditional on it, so a replaced object yields StaleObjectError, never a mix of versions.
 
@@ -31,6 +49,7 @@ read across blocks; both are consumed by the kernel before the trio thread runs 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import os
@@ -47,11 +66,13 @@ from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
     BadFileHandleError,
+    EndpointUnreachableError,
     IsADirectoryFsError,
     NotADirectoryFsError,
     ObjectNotFoundError,
     ReadOnlyError,
     StaleObjectError,
+    TransientStoreError,
 )
 from objfs.readahead import Readahead
 from objfs.scheduler import Fetcher, ceil_div
@@ -63,13 +84,17 @@ log = logging.getLogger(__name__)
 # of the page size: the kernel caches the pages it asked for).
 RANDOM_READ_ALIGN = 64 * 1024
 
+# During an outage, the store is tried again at most this often; meanwhile known metadata is
+# served at once (within --max-stale).
+OUTAGE_RETRY_S = 5.0
+
 ROOT_INODE = 1  # FUSE's fixed root inode number
 NAME_MAX = 255  # bytes, the Linux limit for one path component
 
 
-@dataclass
+@dataclass(slots=True, eq=False)
 class Node:
-    """A file or a directory. Files carry the attributes of the last version seen."""
+    """A directory, or one version of a file (its attributes never change)."""
 
     inode: int
     parent: int
@@ -79,14 +104,27 @@ class Node:
     size: int = 0
     etag: str = ""
     mtime_ns: int = 0
-    checked_at: float = -float("inf")  # monotonic time the attributes were last confirmed
-    page_cache_etag: str | None = None  # version whose pages the kernel may hold
-    # One byte per block of that version: 1 once the block was served whole to the kernel
-    # (its page cache holds it now, so read-ahead need not fetch it again).
+    # Monotonic time at which a request that saw this version current (or this directory
+    # existing) started.
+    checked_at: float = -float("inf")
+    superseded: bool = False  # a newer version of the key is known (or the key is gone)
+    big: bool = False  # a directory whose listing takes more than one page
+    lookups: int = 0  # the kernel's references (entries answered, minus forgotten)
+    opens: int = 0  # open handles
+    # One byte per block: 1 once the block was served whole to the kernel (its page cache
+    # holds it now, so read-ahead need not fetch it again).
     served: bytearray = field(default_factory=bytearray)
 
 
-@dataclass
+@dataclass(slots=True)
+class Probe:
+    """A name looked up without a fresh listing of its directory: its node, or None."""
+
+    node: Node | None
+    checked_at: float
+
+
+@dataclass(slots=True)
 class Listing:
     """One directory level: name -> node, in the store's (sorted) order."""
 
@@ -170,19 +208,30 @@ class FileSystem:
         self.uid = os.getuid() if config.uid is None else config.uid
         self.gid = os.getgid() if config.gid is None else config.gid
         self.mount_time_ns = time.time_ns()
-        self._inode_of: dict[tuple[bool, str], int] = {}
+        self._inode_of: dict[tuple[bool, str, str], int] = {}  # (is_dir, key, etag) -> inode
         self._nodes: dict[int, Node] = {}
+        self._current: dict[str, Node] = {}  # file key -> its newest known version
         self._listings: dict[int, Listing] = {}
-        self._list_flight: SingleFlight[int, Listing] = SingleFlight()
+        self._probes: dict[tuple[int, bytes], Probe] = {}
+        self._list_flight: SingleFlight[tuple[int, bool], Listing | None] = SingleFlight()
+        self._probe_flight: SingleFlight[tuple[int, bytes], Node | None] = SingleFlight()
+        self._head_flight: SingleFlight[str, tuple[ObjectInfo, float]] = SingleFlight()
         self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
         self._reply_buffers: list[mmap.mmap] = []  # answered reads' pooled buffers (see read)
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
         self._warned: set[str] = set()
+        self._swept_at = time.monotonic()
+        # Store outages seen by metadata requests (see "Stale but available" above).
+        self._outage_since: float | None = None
+        self._outage_tried_at = 0.0
+        self.outages = 0
+        self.stale_answers = 0
+        self.metadata_requests = 0
         root = Node(ROOT_INODE, ROOT_INODE, b"", config.source.prefix, True)
         self._nodes[ROOT_INODE] = root
-        self._inode_of[(True, root.key)] = ROOT_INODE
+        self._inode_of[(True, root.key, "")] = ROOT_INODE
         self._next_inode = ROOT_INODE + 1
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -197,15 +246,119 @@ class FileSystem:
         except KeyError:
             raise ObjectNotFoundError(f"inode {inode} is unknown") from None
 
-    def _node_for(self, parent: int, name: bytes, key: str, is_dir: bool) -> Node:
-        ident = (is_dir, key)
+    def _new_node(self, ident: tuple[bool, str, str], node: Node) -> Node:
+        self._inode_of[ident] = node.inode
+        self._nodes[node.inode] = node
+        self._next_inode += 1
+        return node
+
+    def _dir_node(self, parent: int, name: bytes, prefix: str, checked_at: float) -> Node:
+        inode = self._inode_of.get((True, prefix, ""))
+        node = (
+            self._nodes[inode]
+            if inode is not None
+            else self._new_node(
+                (True, prefix, ""), Node(self._next_inode, parent, name, prefix, True)
+            )
+        )
+        node.checked_at = max(node.checked_at, checked_at)
+        return node
+
+    def _file_node(self, parent: int, name: bytes, info: ObjectInfo, checked_at: float) -> Node:
+        """The node of the version ``info`` describes, seen current by a request that started
+        at ``checked_at``; if a request that started later saw another version, that one."""
+        current = self._current.get(info.key)
+        if current is not None and current.etag != info.etag and current.checked_at > checked_at:
+            return current  # a newer fact: an older listing must not undo it
+        ident = (False, info.key, info.etag)
         inode = self._inode_of.get(ident)
         if inode is None:
-            inode = self._next_inode
-            self._next_inode += 1
-            self._inode_of[ident] = inode
-            self._nodes[inode] = Node(inode, parent, name, key, is_dir)
-        return self._nodes[inode]
+            node = self._new_node(
+                ident,
+                Node(
+                    self._next_inode,
+                    parent,
+                    name,
+                    info.key,
+                    False,
+                    size=info.size,
+                    etag=info.etag,
+                    mtime_ns=info.mtime_ns,
+                    served=bytearray(ceil_div(info.size, self.block_size)),
+                ),
+            )
+        else:
+            node = self._nodes[inode]
+        node.checked_at = max(node.checked_at, checked_at)
+        node.superseded = False
+        if current is not None and current is not node:
+            current.superseded = True
+            self._maybe_free(current)
+        self._current[info.key] = node
+        return node
+
+    def _gone(self, node: Node) -> None:
+        """The store says ``node``'s key no longer exists."""
+        node.superseded = True
+        if self._current.get(node.key) is node:
+            del self._current[node.key]
+        self._listings.pop(node.parent, None)  # the parent listing is wrong now
+        self._probes.pop((node.parent, node.name), None)
+        self._maybe_free(node)
+
+    def remember(self, node: Node) -> None:
+        """The kernel got an entry for ``node`` (a lookup or a readdir entry)."""
+        node.lookups += 1
+
+    def forget(self, inode: int, nlookup: int) -> None:
+        """The kernel dropped ``nlookup`` references to ``inode``."""
+        node = self._nodes.get(inode)
+        if node is None:
+            return
+        node.lookups = max(0, node.lookups - nlookup)
+        self._maybe_free(node)
+
+    def _named(self, node: Node) -> bool:
+        """A cached listing or probe still answers with ``node``."""
+        listing = self._listings.get(node.parent)
+        if listing is not None and listing.entries.get(node.name) is node:
+            return True
+        probe = self._probes.get((node.parent, node.name))
+        return probe is not None and probe.node is node
+
+    def _maybe_free(self, node: Node) -> None:
+        """Free a file node nobody can reach any more (directories are few and kept)."""
+        if node.is_dir or node.lookups > 0 or node.opens > 0:
+            return
+        if not node.superseded and self._named(node):
+            return
+        if self._nodes.get(node.inode) is not node:
+            return
+        del self._nodes[node.inode]
+        del self._inode_of[(False, node.key, node.etag)]
+        if self._current.get(node.key) is node:
+            del self._current[node.key]
+
+    def _sweep(self) -> None:
+        """Drop listings and probes too old to be served even stale, and the nodes only they
+        named (at most once per TTL: O(cached names))."""
+        now = time.monotonic()
+        keep_s = max(self.config.metadata_ttl_s, 1.0) + self.config.max_stale_s
+        if now - self._swept_at < min(keep_s, max(self.config.metadata_ttl_s, 1.0)):
+            return
+        self._swept_at = now
+        orphans: list[Node] = []
+        for inode, listing in list(self._listings.items()):
+            if now - listing.fetched_at > keep_s:
+                del self._listings[inode]
+                orphans.extend(listing.entries.values())
+        for ident, probe in list(self._probes.items()):
+            if now - probe.checked_at > keep_s:
+                del self._probes[ident]
+                if probe.node is not None:
+                    orphans.append(probe.node)
+        for node in orphans:
+            self._maybe_free(node)
 
     def _warn_once(self, key: str, message: str) -> None:
         if key not in self._warned:
@@ -214,6 +367,64 @@ class FileSystem:
 
     def _fresh(self, checked_at: float) -> bool:
         return time.monotonic() - checked_at < self.config.metadata_ttl_s
+
+    # -- the store's availability ----------------------------------------------------------
+
+    def _servable(self, checked_at: float) -> bool:
+        """Known metadata this old may still be served while the store is unreachable."""
+        age = time.monotonic() - checked_at
+        return self.config.max_stale_s > 0 and age < (
+            self.config.metadata_ttl_s + self.config.max_stale_s
+        )
+
+    def _skip_store(self, checked_at: float) -> bool:
+        """During an outage, answer from what is known without waiting on the store (it is
+        tried again every OUTAGE_RETRY_S)."""
+        return (
+            self._outage_since is not None
+            and time.monotonic() - self._outage_tried_at < OUTAGE_RETRY_S
+            and self._servable(checked_at)
+        )
+
+    def _store_call(self) -> None:
+        self.metadata_requests += 1
+        self._outage_tried_at = time.monotonic()
+
+    def _store_answered(self) -> None:
+        if self._outage_since is not None:
+            log.warning(
+                "the store answers again after %.0f s; %d answers were served from cached "
+                "metadata meanwhile",
+                time.monotonic() - self._outage_since,
+                self.stale_answers,
+            )
+            self._outage_since = None
+
+    def _store_failed(self, exc: Exception) -> None:
+        if self._outage_since is None:
+            self._outage_since = time.monotonic()
+            self.outages += 1
+            if self.config.max_stale_s > 0:
+                log.warning(
+                    "the store is unreachable (%s): serving cached metadata for up to %.0f s "
+                    "past its TTL (--max-stale) until it answers again",
+                    exc,
+                    self.config.max_stale_s,
+                )
+            else:
+                log.warning("the store is unreachable (%s); --max-stale 0: failing", exc)
+
+    def _served_stale(self) -> None:
+        self.stale_answers += 1
+
+    def store_state(self) -> dict[str, float | int | None]:
+        return {
+            "outages": self.outages,
+            "stale_answers": self.stale_answers,
+            "unreachable_for_s": None
+            if self._outage_since is None
+            else time.monotonic() - self._outage_since,
+        }
 
     # -- listings --------------------------------------------------------------------------
 
@@ -224,14 +435,38 @@ class FileSystem:
         cached = self._listings.get(dir_node.inode)
         if cached is not None and self._fresh(cached.fetched_at):
             return cached
-        return await self._list_flight.run(dir_node.inode, lambda: self._fetch_listing(dir_node))
+        if cached is not None and self._skip_store(cached.fetched_at):
+            self._served_stale()
+            return cached
+        try:
+            listing = await self._list_flight.run(
+                (dir_node.inode, False), lambda: self._fetch_listing(dir_node)
+            )
+            assert listing is not None  # a whole listing is never cut short
+            return listing
+        except (EndpointUnreachableError, TransientStoreError) as exc:
+            self._store_failed(exc)
+            cached = self._listings.get(dir_node.inode)
+            if cached is not None and self._servable(cached.fetched_at):
+                self._served_stale()
+                return cached
+            raise
 
-    async def _fetch_listing(self, dir_node: Node) -> Listing:
+    async def _fetch_listing(self, dir_node: Node, *, first_page: bool = False) -> Listing | None:
+        """List the directory and cache the listing. ``first_page``: stop after the first
+        page; if more follow, mark the directory big and return None."""
         prefix = dir_node.key
         started = time.monotonic()
         files: dict[bytes, ObjectInfo] = {}
         dirs: dict[bytes, str] = {}
-        async for page in self.backend.list_prefix(prefix):
+        self._store_call()
+        pages = self.backend.list_prefix(prefix)
+        async for page in pages:
+            if first_page and page.more:
+                dir_node.big = True
+                await pages.aclose()  # type: ignore[attr-defined]
+                self._store_answered()
+                return None
             for info in page.objects:
                 rest = info.key[len(prefix) :]
                 if rest == "":
@@ -252,6 +487,7 @@ class FileSystem:
                     )
                     continue
                 dirs[name] = common
+        self._store_answered()
         entries: dict[bytes, Node] = {}
         for name in sorted(files.keys() | dirs.keys()):
             if name in dirs:
@@ -261,33 +497,110 @@ class FileSystem:
                         f"key {files[name].key!r} is hidden by the directory {dirs[name]!r} "
                         "of the same name",
                     )
-                node = self._node_for(dir_node.inode, name, dirs[name], True)
+                node = self._dir_node(dir_node.inode, name, dirs[name], started)
             else:
-                info = files[name]
-                node = self._node_for(dir_node.inode, name, info.key, False)
-                self._update(node, info, started)
+                node = self._file_node(dir_node.inode, name, files[name], started)
             entries[name] = node
+        old = self._listings.get(dir_node.inode)
         listing = Listing(entries, started)
         self._listings[dir_node.inode] = listing
+        if old is not None:  # nodes only the old listing named may be freed now
+            for name, node in old.entries.items():
+                if entries.get(name) is not node:
+                    self._maybe_free(node)
         return listing
 
-    def _update(self, node: Node, info: ObjectInfo, checked_at: float) -> None:
-        node.size, node.etag, node.mtime_ns = info.size, info.etag, info.mtime_ns
-        node.checked_at = checked_at
+    async def _head(self, key: str) -> tuple[ObjectInfo, float]:
+        """HEAD ``key`` (single-flight: concurrent askers share one request); the version and
+        the time the request started."""
+
+        async def head() -> tuple[ObjectInfo, float]:
+            started = time.monotonic()
+            self._store_call()
+            info = await self.backend.head(key)
+            self._store_answered()
+            return info, started
+
+        return await self._head_flight.run(key, head)
 
     async def _refresh_file(self, node: Node) -> None:
-        """Re-read a file's attributes when they are older than the metadata TTL."""
-        if self._fresh(node.checked_at):
+        """Re-check a file's version when it is older than the metadata TTL. The node's own
+        attributes never change: a new version becomes a new node (``node`` is superseded)."""
+        if node.superseded or self._fresh(node.checked_at):
             return
-        started = time.monotonic()
+        if self._skip_store(node.checked_at):
+            self._served_stale()
+            return
         try:
-            info = await self.backend.head(node.key)
+            info, started = await self._head(node.key)
         except ObjectNotFoundError:
-            self._listings.pop(node.parent, None)  # the parent listing is wrong now
+            self._store_answered()
+            self._gone(node)
             raise
-        self._update(node, info, started)
+        except (EndpointUnreachableError, TransientStoreError) as exc:
+            self._store_failed(exc)
+            if self._servable(node.checked_at):
+                self._served_stale()
+                return
+            raise
+        if info.etag == node.etag:
+            node.checked_at = max(node.checked_at, started)
+        else:
+            newer = self._file_node(node.parent, node.name, info, started)
+            self._renamed(node.parent, node.name, newer)
+
+    def _renamed(self, parent: int, name: bytes, node: Node) -> None:
+        """Point cached answers for (parent, name) at ``node``, the newest version."""
+        listing = self._listings.get(parent)
+        if listing is not None and name in listing.entries:
+            old = listing.entries[name]
+            if not old.is_dir:
+                listing.entries[name] = node
+        probe = self._probes.get((parent, name))
+        if probe is not None and (probe.node is None or not probe.node.is_dir):
+            probe.node = node
+
+    async def _probe(self, parent: Node, name: bytes) -> Node | None:
+        """Look one name up in the store: a HEAD of the key and a one-page listing under
+        ``key/`` at once (a directory wins over a file of the same name)."""
+        key = parent.key + name.decode("utf-8", "surrogateescape")
+        started = time.monotonic()
+        info: ObjectInfo | None = None
+        is_dir = False
+
+        async def head() -> None:
+            nonlocal info
+            with contextlib.suppress(ObjectNotFoundError):
+                info, _ = await self._head(key)
+
+        async def under() -> None:
+            nonlocal is_dir
+            self._store_call()
+            is_dir = await self.backend.has_keys_under(key + "/")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(head)
+            nursery.start_soon(under)
+        self._store_answered()
+        node: Node | None
+        if is_dir:
+            node = self._dir_node(parent.inode, name, key + "/", started)
+        elif info is not None:
+            node = self._file_node(parent.inode, name, info, started)
+        else:
+            node = None
+            current = self._current.get(key)
+            if current is not None and current.checked_at < started:
+                self._gone(current)
+        self._probes[(parent.inode, name)] = Probe(node, started)
+        return node
 
     # -- metadata operations ---------------------------------------------------------------
+
+    def _newest(self, node: Node | None) -> Node | None:
+        if node is not None and node.superseded and not node.is_dir:
+            return self._current.get(node.key)
+        return node
 
     async def lookup(self, parent_inode: int, name: bytes) -> Node:
         parent = self.node(parent_inode)
@@ -295,11 +608,46 @@ class FileSystem:
             return parent
         if name == b"..":
             return self.node(parent.parent)
-        entries = (await self.listing(parent)).entries
-        node = entries.get(name)
+        if not parent.is_dir:
+            raise NotADirectoryFsError(f"{parent.key!r} is not a directory")
+        self._sweep()
+        node = await self._lookup(parent, name)
         if node is None:
             raise ObjectNotFoundError(f"{name!r} not found in {parent.key!r}")
         return node
+
+    async def _lookup(self, parent: Node, name: bytes) -> Node | None:
+        listing = self._listings.get(parent.inode)
+        if listing is not None and self._fresh(listing.fetched_at):
+            return self._newest(listing.entries.get(name))
+        probe = self._probes.get((parent.inode, name))
+        if probe is not None and self._fresh(probe.checked_at):
+            return self._newest(probe.node)
+        # What is known, however old: a stale listing's or probe's answer, the newer one.
+        known: tuple[Node | None, float] | None = None
+        if listing is not None:
+            known = (listing.entries.get(name), listing.fetched_at)
+        if probe is not None and (known is None or probe.checked_at > known[1]):
+            known = (probe.node, probe.checked_at)
+        if known is not None and self._skip_store(known[1]):
+            self._served_stale()
+            return self._newest(known[0])
+        try:
+            if not parent.big:
+                listing = await self._list_flight.run(
+                    (parent.inode, True), lambda: self._fetch_listing(parent, first_page=True)
+                )
+                if listing is not None:
+                    return self._newest(listing.entries.get(name))
+            return await self._probe_flight.run(
+                (parent.inode, name), lambda: self._probe(parent, name)
+            )
+        except (EndpointUnreachableError, TransientStoreError) as exc:
+            self._store_failed(exc)
+            if known is not None and self._servable(known[1]):
+                self._served_stale()
+                return self._newest(known[0])
+            raise
 
     async def getattr(self, inode: int) -> Attributes:
         node = self.node(inode)
@@ -360,8 +708,10 @@ class FileSystem:
     async def open(self, inode: int, flags: int) -> tuple[int, bool]:
         """Open for reading; returns (fh, keep_cache).
 
-        ``keep_cache`` is True when the kernel's page cache can only hold this same version
-        (the last open saw the same ETag), so re-opens are served from the page cache.
+        ``keep_cache`` is always True: an inode is one version, so its pages in the kernel's
+        page cache are this version's and re-opens are served from there. Opening a version
+        that a newer one superseded raises StaleObjectError (ESTALE): the kernel then looks the
+        path up again (LOOKUP_REVAL) and opens the new version's inode.
         """
         if flags & os.O_ACCMODE != os.O_RDONLY or flags & (os.O_TRUNC | os.O_APPEND):
             raise ReadOnlyError("the file system is read-only")
@@ -369,10 +719,10 @@ class FileSystem:
         if node.is_dir:
             raise IsADirectoryFsError(f"{node.key!r} is a directory")
         await self._refresh_file(node)
-        keep_cache = node.page_cache_etag == node.etag
-        if not keep_cache:  # the kernel drops the inode's pages on this open
-            node.served = bytearray(ceil_div(node.size, self.block_size))
-        node.page_cache_etag = node.etag
+        if node.superseded:
+            raise StaleObjectError(f"{node.key!r} was replaced or removed; look it up again")
+        keep_cache = True
+        node.opens += 1
         fh = self._new_fh()
         readahead = Readahead(
             node.size,
@@ -412,6 +762,8 @@ class FileSystem:
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
+        handle.node.opens -= 1
+        self._maybe_free(handle.node)
         self._share_windows()
         self.fetcher.cancel(handle)
         self.cache.close_version(handle.key, handle.etag)
@@ -427,10 +779,6 @@ class FileSystem:
         while self._reply_buffers:
             self.cache.pool.release(self._reply_buffers.pop())
         handle = self._handle(fh)
-        if handle.node.etag != handle.etag:
-            # A listing or HEAD has seen a newer version: the kernel may already show its size,
-            # so stop serving this handle rather than mix sizes and bytes of two versions.
-            raise StaleObjectError(f"{handle.key!r} changed while open")
         end = min(offset + size, handle.size)
         if offset >= end:
             return b""
@@ -530,9 +878,13 @@ class FileSystem:
             raise
 
     def _forget_version(self, handle: Handle) -> None:
-        """The store has a newer version: the next open must see it, not our metadata."""
-        handle.node.checked_at = -float("inf")
-        self._listings.pop(handle.node.parent, None)
+        """The store no longer has the handle's version: the next open and lookup of its name
+        ask the store instead of our metadata."""
+        node = handle.node
+        node.checked_at = -float("inf")
+        if self._current.get(node.key) is node:
+            self._listings.pop(node.parent, None)
+            self._probes.pop((node.parent, node.name), None)
 
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""
@@ -541,6 +893,11 @@ class FileSystem:
     def statistics(self) -> dict[str, int]:
         return {
             "inodes": len(self._nodes),
+            "listings": len(self._listings),
+            "probes": len(self._probes),
+            "metadata_requests": self.metadata_requests,
+            "store_outages": self.outages,
+            "stale_answers": self.stale_answers,
             "open_files": len(self._handles),
             "open_dirs": len(self._dir_handles),
             **self.cache.statistics(),

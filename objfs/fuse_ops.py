@@ -106,12 +106,17 @@ class ObjfsOperations(pyfuse3.Operations):
             negative.st_ino = pyfuse3.InodeT(0)
             negative.entry_timeout = self.timeout_s
             return negative
-        return self._entry(self.fs.attributes(node))
+        entry = self._entry(self.fs.attributes(node))
+        self.fs.remember(node)  # the kernel holds one more reference once this is answered
+        return entry
 
     async def forget(self, inode_list: Sequence[tuple[pyfuse3.InodeT, int]]) -> None:
-        # Inode numbers stay assigned for the life of the mount (stable numbers), so there
-        # is nothing to free.
-        return None
+        # Must not raise (pyfuse3 has no reply for it): the kernel dropped these references.
+        for inode, nlookup in inode_list:
+            try:
+                self.fs.forget(inode, nlookup)
+            except Exception:
+                log.exception("forget(%d, %d) failed", inode, nlookup)
 
     @_errno_boundary
     async def getattr(
@@ -148,6 +153,7 @@ class ObjfsOperations(pyfuse3.Operations):
             attrs = self._entry(self.fs.attributes(node))
             if not pyfuse3.readdir_reply(token, pyfuse3.FileNameT(node.name), attrs, next_id):
                 break
+            self.fs.remember(node)  # an entry the kernel took counts as a lookup
 
     @_errno_boundary
     async def releasedir(self, fh: pyfuse3.FileHandleT) -> None:

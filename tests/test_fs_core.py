@@ -30,9 +30,12 @@ def make_fs(backend: MemoryBackend, source: str = "s3://bkt/p", **kwargs: object
 
 
 async def resolve(fs: FileSystem, path: str) -> int:
+    """Look ``path`` up as the kernel does: each answered entry is one more reference."""
     inode = ROOT_INODE
     for part in path.split("/"):
-        inode = (await fs.lookup(inode, part.encode())).inode
+        node = await fs.lookup(inode, part.encode())
+        fs.remember(node)
+        inode = node.inode
     return inode
 
 
@@ -108,6 +111,7 @@ async def test_metadata_is_cached_within_ttl() -> None:
         with pytest.raises(ObjectNotFoundError):
             await fs.lookup(ROOT_INODE, b"missing.json")  # negative answers come from it too
         await fs.getattr(await resolve(fs, "config.json"))
+    # One page held the whole directory: that listing answers every lookup within the TTL.
     assert backend.statistics() == {"list": 1}
 
 
@@ -147,9 +151,11 @@ async def test_inodes_are_stable_and_distinct() -> None:
         backend.put(key, b"x")
     fs = make_fs(backend, metadata_ttl_s=0)
     first = [await resolve(fs, p) for p in ("a", "b", "b/c", "b/d")]
-    backend.put("p/a", b"new version")  # a new ETag keeps the inode
+    assert [await resolve(fs, p) for p in ("a", "b", "b/c", "b/d")] == first
+    backend.put("p/a", b"new version")  # a new version is a new inode (its own page cache)
     second = [await resolve(fs, p) for p in ("a", "b", "b/c", "b/d")]
-    assert first == second
+    assert second[1:] == first[1:]
+    assert second[0] not in first
     assert len(set(first)) == 4
 
 
@@ -218,18 +224,23 @@ async def test_handle_is_pinned_to_its_etag() -> None:
     fs = make_fs(backend, block_size_bytes=MiB, metadata_ttl_s=0)
     inode = await resolve(fs, "w")
     fh, keep = await fs.open(inode, os.O_RDONLY)
-    assert keep is False  # first open: nothing of this version can be cached
+    assert keep is True  # an inode is one version: its page cache can only hold it
     assert await fs.read(fh, 0, 10) == old[:10]
     backend.put("p/w", new)
     with pytest.raises(StaleObjectError) as info:
         await fs.read(fh, MiB, 10)  # block 1 is not cached: the conditional GET fails
     assert info.value.errno == errno.ESTALE
     fs.release(fh)
-    fh2, keep2 = await fs.open(inode, os.O_RDONLY)
-    assert keep2 is False  # new version: the kernel must drop the old pages
+    # The old version's inode cannot be opened again: ESTALE makes the kernel look the
+    # path up again, which finds the new version's inode.
+    with pytest.raises(StaleObjectError):
+        await fs.open(inode, os.O_RDONLY)
+    new_inode = await resolve(fs, "w")
+    assert new_inode != inode
+    fh2, keep2 = await fs.open(new_inode, os.O_RDONLY)
+    assert keep2 is True
     assert await fs.read(fh2, 0, 2 * MiB) == new
-    _fh3, keep3 = await fs.open(inode, os.O_RDONLY)
-    assert keep3 is True  # same version again: keep the page cache
+    assert (await fs.getattr(inode)).size == len(old)  # an old inode keeps its attributes
 
 
 async def test_a_stale_random_read_makes_the_next_open_see_the_new_version() -> None:
@@ -245,12 +256,15 @@ async def test_a_stale_random_read_makes_the_next_open_see_the_new_version() -> 
     with pytest.raises(StaleObjectError):
         await fs.read(fh, 2 * MiB + 4096, 4096)  # random: a 64 KiB GET, not a block
     fs.release(fh)
-    fh2, _ = await fs.open(inode, os.O_RDONLY)
-    assert (await fs.getattr(inode)).size == len(new)
+    with pytest.raises(StaleObjectError):
+        await fs.open(inode, os.O_RDONLY)  # the kernel retries with a new lookup
+    new_inode = await resolve(fs, "w")
+    fh2, _ = await fs.open(new_inode, os.O_RDONLY)
+    assert (await fs.getattr(new_inode)).size == len(new)
     assert await fs.read(fh2, 0, 2 * MiB) == new
 
 
-async def test_a_newer_version_seen_by_stat_stops_old_handles() -> None:
+async def test_a_newer_version_seen_by_stat_leaves_old_handles_on_their_version() -> None:
     backend = MemoryBackend()
     backend.put("p/w", b"a" * 100)
     fs = make_fs(backend, metadata_ttl_s=0)
@@ -258,9 +272,14 @@ async def test_a_newer_version_seen_by_stat_stops_old_handles() -> None:
     fh, _ = await fs.open(inode, os.O_RDONLY)
     assert await fs.read(fh, 0, 10) == b"a" * 10  # block now cached
     backend.put("p/w", b"b" * 50)
-    assert (await fs.getattr(inode)).size == 50
-    with pytest.raises(StaleObjectError):
-        await fs.read(fh, 0, 10)  # cached old bytes are not served past a version change
+    # The old inode is the old version: same size, and its handle reads its own bytes.
+    assert (await fs.getattr(inode)).size == 100
+    assert await fs.read(fh, 10, 10) == b"a" * 10
+    new_inode = await resolve(fs, "w")
+    assert (await fs.getattr(new_inode)).size == 50
+    fh2, _ = await fs.open(new_inode, os.O_RDONLY)
+    assert await fs.read(fh2, 0, 100) == b"b" * 50
+    assert await fs.read(fh, 90, 10) == b"a" * 10  # still the old version, never a mix
 
 
 async def test_open_for_writing_and_directories_refused() -> None:

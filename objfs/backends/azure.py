@@ -764,7 +764,8 @@ class AzureBackend(Backend):
                 if name not in seen:
                     seen.add(name)
                     prefixes.append(name)
-            yield ListPage(objects=objects, prefixes=prefixes)
+            more = bool(getattr(pages, "continuation_token", None))
+            yield ListPage(objects=objects, prefixes=prefixes, more=more)
 
     async def head(self, key: str) -> ObjectInfo:
         what = f"HEAD {self._url(key)}"

@@ -39,6 +39,7 @@ class ListPage:
 
     objects: list[ObjectInfo]
     prefixes: list[str]
+    more: bool = False  # another page follows
 
 
 class Backend(abc.ABC):
@@ -85,6 +86,17 @@ class Backend(abc.ABC):
         for view in views:
             view[:] = data[offset : offset + len(view)]
             offset += len(view)
+
+    async def has_keys_under(self, prefix: str) -> bool:
+        """Whether any key starts with ``prefix`` (ending in ``/``): one listing request,
+        whatever the number of keys. Backends may override it with a one-key listing."""
+        pages = self.list_prefix(prefix)
+        try:
+            async for page in pages:
+                return bool(page.objects or page.prefixes)
+            return False
+        finally:
+            await pages.aclose()  # type: ignore[attr-defined]
 
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections and threads."""

@@ -146,6 +146,7 @@ class MemoryBackend(Backend):
             yield ListPage(
                 objects=[e for e in chunk if isinstance(e, ObjectInfo)],
                 prefixes=[e for e in chunk if isinstance(e, str)],
+                more=start + self.page_size < len(entries),
             )
 
     async def head(self, key: str) -> ObjectInfo:

@@ -381,6 +381,7 @@ class S3Backend(Backend):
                     for o in resp.get("Contents", ())
                 ],
                 prefixes=[p["Prefix"] for p in resp.get("CommonPrefixes", ())],
+                more=bool(resp.get("IsTruncated") and resp.get("NextContinuationToken")),
             )
             token = resp.get("NextContinuationToken")
             if not resp.get("IsTruncated") or not token:
