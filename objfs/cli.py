@@ -209,6 +209,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long listings and file sizes are trusted (default: %(default)s); "
         "'indefinite' for buckets that never change, 0 to re-check on every access",
     )
+    fs.add_argument(
+        "--max-stale",
+        metavar="SECONDS",
+        default="86400",
+        help="while the store is unreachable, keep serving known listings and file versions "
+        "for up to this long past their TTL (default: %(default)s, a day); 0 fails at once",
+    )
 
     logs = m.add_argument_group("logging")
     logs.add_argument("--log-level", choices=_LOG_LEVELS, default="info")
@@ -408,6 +415,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         foreground=args.foreground,
         allow_other=args.allow_other,
         metadata_ttl_s=parse_ttl(args.metadata_ttl),
+        max_stale_s=parse_ttl(args.max_stale, option="--max-stale"),
         uid=None if args.uid is None else parse_id(args.uid, option="--uid"),
         gid=None if args.gid is None else parse_id(args.gid, option="--gid"),
         log_level=args.log_level,

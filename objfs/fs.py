@@ -229,6 +229,7 @@ class FileSystem:
         self.outages = 0
         self.stale_answers = 0
         self.metadata_requests = 0
+        self.empty_source = False  # SOURCE held no object at mount (see mount.serve_async)
         root = Node(ROOT_INODE, ROOT_INODE, b"", config.source.prefix, True)
         self._nodes[ROOT_INODE] = root
         self._inode_of[(True, root.key, "")] = ROOT_INODE

@@ -325,6 +325,13 @@ class Telemetry:
                 continue
         return {}
 
+    def _unreachable_for(self) -> float | None:
+        state = getattr(self.fs, "store_state", None)
+        if state is None:
+            return None
+        value = state().get("unreachable_for_s")
+        return None if value is None else float(value)
+
     def snapshot(self) -> dict[str, Any]:
         """Every figure, as the status file holds it."""
         stats = self.backend.stats
@@ -377,6 +384,14 @@ class Telemetry:
             "disk": disk,
             "open_files": fs.get("open_files", 0),
             "inodes": fs.get("inodes", 0),
+            "metadata": {
+                "empty_source": bool(getattr(self.fs, "empty_source", False)),
+                "listings": fs.get("listings", 0),
+                "probes": fs.get("probes", 0),
+                "outages": fs.get("store_outages", 0),
+                "stale_answers": fs.get("stale_answers", 0),
+                "unreachable_for_s": self._unreachable_for(),
+            },
         }
 
     def _rates(self, served: int, fetched: int) -> dict[str, float]:
@@ -614,5 +629,22 @@ class _Collector:
                 "Blocks that failed their checksum (dropped and fetched again).",
                 disk["corrupt"],
             )
+        meta = snap["metadata"]
+        yield counter(
+            "objfs_store_outages",
+            "Times metadata requests found the store unreachable (each outage counts once).",
+            meta["outages"],
+        )
+        yield counter(
+            "objfs_stale_metadata_answers",
+            "Lookups, stats, opens and listings answered from cached metadata past its TTL "
+            "because the store was unreachable (--max-stale).",
+            meta["stale_answers"],
+        )
+        yield gauge(
+            "objfs_store_unreachable",
+            "1 while metadata requests find the store unreachable, else 0.",
+            0 if meta["unreachable_for_s"] is None else 1,
+        )
         yield gauge("objfs_open_files", "Files open on the mount.", snap["open_files"])
         yield gauge("objfs_inodes", "Files and directories known to the mount.", snap["inodes"])

@@ -352,6 +352,14 @@ async def serve_async(
     await backend.check(config.source.prefix)
     disk = open_disk_cache(config, backend)
     fs = FileSystem(backend, config, disk)
+    if not await backend.has_keys_under(config.source.prefix):
+        # Mounting an empty prefix is legal (objects may come later), but it is mostly a typo.
+        fs.empty_source = True
+        log.warning(
+            "%s holds no objects: the mount is empty; check SOURCE for a mistyped bucket "
+            "or prefix (a prefix is case-sensitive and has no leading slash)",
+            config.source.url(),
+        )
     ops = ObjfsOperations(fs)
     telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     try:

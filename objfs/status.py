@@ -148,6 +148,19 @@ def format_status(s: dict[str, Any]) -> str:
             f"  hit rate      {100 * from_caches:.1f}% of the bytes served came from the caches"
         )
     lines.append(f"  open files    {s['open_files']} ({s['inodes']} inodes known)")
+    meta = s.get("metadata") or {}
+    if meta.get("empty_source"):
+        lines.append("  source        held no objects at mount: is SOURCE mistyped?")
+    if meta.get("unreachable_for_s") is not None:
+        lines.append(
+            f"  store         UNREACHABLE for {_duration(meta['unreachable_for_s'])}: serving "
+            f"cached metadata (--max-stale); {meta.get('stale_answers', 0)} stale answers"
+        )
+    elif meta.get("outages"):
+        lines.append(
+            f"  store         {meta['outages']} outages so far, "
+            f"{meta.get('stale_answers', 0)} answers served from stale metadata"
+        )
     if s.get("metrics_addr"):
         lines.append(f"  metrics       http://{s['metrics_addr']}/metrics")
     return "\n".join(lines)

@@ -1,0 +1,152 @@
+"""Long-lived mounts through real FUSE mounts against moto: versions, outages, empty sources.
+
+The core side of the same behaviour (request counts, clocks) is in tests/test_long_lived.py.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import time
+from typing import Any
+
+import pytest
+
+from tests.conftest import Mount, run_objfs, sha256
+from tests.helpers.proxy import FaultPlan, Proxy
+
+MiB = 1 << 20
+FAST_FAILURE = ("--read-timeout", "1.5", "--connect-timeout", "1", "--max-attempts", "2")
+
+
+def status(m: Mount) -> dict[str, Any]:
+    time.sleep(1.2)  # the status file is rewritten every second
+    result = run_objfs("status", "--json", str(m.path))
+    assert result.returncode == 0, result.stderr
+    data: dict[str, Any] = json.loads(result.stdout)
+    return data
+
+
+def test_an_old_handle_never_reads_the_new_version(mount_s3: Any, s3: Any, bucket: str) -> None:
+    """Handle A reads half, the object is replaced, handle B reads all of it after the TTL,
+    then A reads the rest: A gets old bytes or ESTALE, never new ones (one inode per
+    version: B's open cannot refill A's page cache with the new version)."""
+    old, new = os.urandom(8 * MiB), os.urandom(8 * MiB)
+    s3.put_object(Bucket=bucket, Key="m/w.bin", Body=old)
+    m: Mount = mount_s3(f"s3://{bucket}/m", "--metadata-ttl", "1")
+    path = m.path / "w.bin"
+    fd_a = os.open(path, os.O_RDONLY)
+    try:
+        assert os.pread(fd_a, 4 * MiB, 0) == old[: 4 * MiB]
+        inode_a = os.fstat(fd_a).st_ino
+        s3.put_object(Bucket=bucket, Key="m/w.bin", Body=new)
+        time.sleep(1.5)  # past the TTL: a new open sees the new version
+        with open(path, "rb") as b:
+            assert os.fstat(b.fileno()).st_ino != inode_a
+            assert sha256(b.read()) == sha256(new)
+        rest = bytearray()
+        failure = None
+        try:
+            while len(rest) < 4 * MiB:
+                chunk = os.pread(fd_a, MiB, 4 * MiB + len(rest))
+                if not chunk:
+                    break
+                rest += chunk
+        except OSError as exc:
+            failure = exc.errno
+        assert failure in (None, errno.ESTALE)
+        assert bytes(rest) == old[4 * MiB : 4 * MiB + len(rest)], "A got bytes of B's version"
+        assert os.fstat(fd_a).st_size == len(old)
+    finally:
+        os.close(fd_a)
+    assert sha256(path.read_bytes()) == sha256(new)
+
+
+def test_cached_files_stay_readable_while_the_store_is_unreachable(
+    mount_s3: Any, s3: Any, bucket: str, proxy: Proxy, tmp_path: Any
+) -> None:
+    data = os.urandom(6 * MiB)
+    s3.put_object(Bucket=bucket, Key="model.safetensors", Body=data)
+    s3.put_object(Bucket=bucket, Key="config.json", Body=b'{"a": 1}')
+    s3.put_object(Bucket=bucket, Key="never-read.bin", Body=b"x" * 1000)
+    m: Mount = mount_s3(
+        f"s3://{bucket}",
+        "--endpoint-url",
+        proxy.url,
+        "--metadata-ttl",
+        "1",
+        "--cache-dir",
+        str(tmp_path / "cache"),
+        *FAST_FAILURE,
+    )
+    model = m.path / "model.safetensors"
+    assert sha256(model.read_bytes()) == sha256(data)
+    assert (m.path / "config.json").read_bytes() == b'{"a": 1}'
+    assert (m.path / "never-read.bin").stat().st_size == 1000
+    # The store is gone: every new connection is reset, and so is every request on the
+    # connections kept alive.
+    proxy.refuse(True)
+    proxy.set_faults(FaultPlan(("reset",), every=1, target="all", cut_after=0))
+    time.sleep(3)  # every piece of metadata is past its TTL
+    started = time.monotonic()
+    assert model.stat().st_size == len(data)
+    assert sha256(model.read_bytes()) == sha256(data)  # the page cache
+    with open(model, "rb") as f:  # drop the page cache: objfs serves from its caches
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+        assert sha256(f.read()) == sha256(data)
+    assert (m.path / "config.json").read_bytes() == b'{"a": 1}'
+    assert sorted(p.name for p in m.path.iterdir()) == [
+        "config.json",
+        "model.safetensors",
+        "never-read.bin",
+    ]
+    # Bytes nobody cached cannot be served: an error, bounded in time, never a hang.
+    with pytest.raises(OSError, match="Input/output error") as info:
+        (m.path / "never-read.bin").read_bytes()
+    assert info.value.errno == errno.EIO
+    assert time.monotonic() - started < 60
+    figures = status(m)["metadata"]
+    assert figures["outages"] == 1
+    assert figures["stale_answers"] > 0
+    assert figures["unreachable_for_s"] is not None
+    text = run_objfs("status", str(m.path)).stdout
+    assert "UNREACHABLE" in text
+    assert m.log().count("the store is unreachable") == 1  # one warning per outage
+    proxy.set_faults(None)
+    proxy.refuse(False)
+
+
+def test_strict_mount_fails_when_the_store_is_unreachable(
+    mount_s3: Any, s3: Any, bucket: str, proxy: Proxy
+) -> None:
+    s3.put_object(Bucket=bucket, Key="config.json", Body=b"{}")
+    m: Mount = mount_s3(
+        f"s3://{bucket}",
+        "--endpoint-url",
+        proxy.url,
+        "--metadata-ttl",
+        "1",
+        "--max-stale",
+        "0",
+        *FAST_FAILURE,
+    )
+    assert (m.path / "config.json").read_bytes() == b"{}"
+    proxy.refuse(True)
+    proxy.set_faults(FaultPlan(("reset",), every=1, target="all", cut_after=0))
+    time.sleep(1.5)
+    with pytest.raises(OSError, match="Input/output error") as info:
+        (m.path / "config.json").stat()
+    assert info.value.errno == errno.EIO
+
+
+def test_an_empty_source_warns_at_mount(mount_s3: Any, s3: Any, bucket: str) -> None:
+    s3.put_object(Bucket=bucket, Key="models/llama/config.json", Body=b"{}")
+    m: Mount = mount_s3(f"s3://{bucket}/models/Llama")  # wrong case: nothing is there
+    assert list(m.path.iterdir()) == []
+    assert "holds no objects" in m.log()
+    assert status(m)["metadata"]["empty_source"] is True
+    assert "mistyped" in run_objfs("status", str(m.path)).stdout
+    fine: Mount = mount_s3(f"s3://{bucket}/models/llama")
+    assert (fine.path / "config.json").read_bytes() == b"{}"
+    assert "holds no objects" not in fine.log()
