@@ -92,6 +92,7 @@ from objfs.errors import (
     TransientStoreError,
     UsageError,
 )
+from objfs.retry import Tries, call_with_reload
 
 log = logging.getLogger(__name__)
 
@@ -602,16 +603,12 @@ class AzureBackend(Backend):
 
         return commit
 
-    def _credentials_generation(self) -> int:
-        """(Worker thread) Check the credential files (cheap; see CredentialWatch.poll)."""
-        return 0 if self._watch is None else self._watch.poll()
-
-    def _newer_credentials(self, status: int, generation: int) -> int | None:
-        """(Worker thread) For a request signed at ``generation`` that got HTTP ``status``:
-        the generation of newer credentials to try once more with, else None."""
-        if self._watch is None or status not in _AUTH_RETRY_STATUSES:
-            return None
-        return self._watch.newer_than(generation)
+    @staticmethod
+    def _is_refusal(exc: Exception) -> bool:
+        """An SDK error that fresher credentials may cure."""
+        return (
+            isinstance(exc, HttpResponseError) and int(exc.status_code or 0) in _AUTH_RETRY_STATUSES
+        )
 
     # -- error mapping ---------------------------------------------------------------------
 
@@ -689,13 +686,7 @@ class AzureBackend(Backend):
 
     async def _call(self, what: str, fn: Callable[[], T]) -> T:
         def call() -> T:
-            generation = self._credentials_generation()
-            try:
-                return fn()
-            except HttpResponseError as exc:
-                if self._newer_credentials(int(exc.status_code or 0), generation) is None:
-                    raise
-            return fn()  # once more, signed with the reloaded credentials
+            return call_with_reload(self._watch, fn, self._is_refusal)
 
         try:
             return await trio.to_thread.run_sync(call, limiter=self._limiter)
@@ -790,18 +781,8 @@ class AzureBackend(Backend):
         path = f"{self._container_path}/{urllib.parse.quote(key, safe='~/')}"
         expected_range = f"bytes {start}-{start + length - 1}/"
         timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
-        attempts = max(1, self.options.max_attempts)
-        failures = 0  # tries that failed in a retryable way
-        reloaded = False  # the one try with reloaded credentials is spent
-        generation = self._credentials_generation()
-        last: Exception | None = None
+        tries = Tries(self.options.max_attempts, self._watch, _backoff_s)
         while True:
-            if last is not None:
-                failures += 1
-                if failures >= attempts:
-                    raise last
-                time.sleep(_backoff_s(failures - 1))
-                last = None
             headers = {"x-ms-range": f"bytes={start}-{start + length - 1}"}
             if etag:
                 headers["If-Match"] = etag
@@ -810,8 +791,11 @@ class AzureBackend(Backend):
                 resp = self._send(url, headers, timeout)
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
                 # connect, timeout, reset
-                last = TransientStoreError(f"{what}: connection failed ({type(exc).__name__})")
+                tries.failed(
+                    TransientStoreError(f"{what}: connection failed ({type(exc).__name__})")
+                )
                 continue
+            error: Exception | None = None  # a retryable failure of this try
             try:
                 status = resp.status
                 if status in (200, 206):
@@ -819,34 +803,34 @@ class AzureBackend(Backend):
                     whole = status == 200 and start == 0 and _content_length(resp) == length
                     if not (whole or got_range.startswith(expected_range)):
                         # Bytes of another range (a broken proxy or server): never pass them on.
-                        last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
-                        continue
-                    got = 0
-                    for view in views:
-                        piece = resp.read(len(view), decode_content=False)
-                        view[: len(piece)] = piece
-                        got += len(piece)
-                        if len(piece) < len(view):
-                            break
-                    if got == length:
-                        return
-                    last = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
-                    continue
-                code = resp.headers.get("x-ms-error-code", "")
-                if status in _RETRY_STATUSES or code in _RETRY_CODES:
-                    last = TransientStoreError(f"{what}: store error {code or status}")
-                    continue
-                if status == 412 and self._deleted(key):
-                    # If-Match fails for a deleted blob too: "deleted" is ENOENT, as on S3.
-                    raise ObjectNotFoundError(f"{what}: not found")
-                newer = None if reloaded else self._newer_credentials(status, generation)
-                if newer is None:
-                    raise self._map_status(code, status, what, redact_url(self.account_url))
-                reloaded, generation = True, newer  # at once, not counted as a failure
+                        error = TransientStoreError(f"{what}: the reply is for {got_range!r}")
+                    else:
+                        got = 0
+                        for view in views:
+                            piece = resp.read(len(view), decode_content=False)
+                            view[: len(piece)] = piece
+                            got += len(piece)
+                            if len(piece) < len(view):
+                                break
+                        if got == length:
+                            return
+                        error = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
+                else:
+                    code = resp.headers.get("x-ms-error-code", "")
+                    if status in _RETRY_STATUSES or code in _RETRY_CODES:
+                        error = TransientStoreError(f"{what}: store error {code or status}")
+                    elif status == 412 and self._deleted(key):
+                        # If-Match fails for a deleted blob too: "deleted" is ENOENT, as on S3.
+                        raise ObjectNotFoundError(f"{what}: not found")
+                    elif not (status in _AUTH_RETRY_STATUSES and tries.refused()):
+                        raise self._map_status(code, status, what, redact_url(self.account_url))
+                    # else: refused, and newer credentials are there: once more, at once
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
-                last = TransientStoreError(f"{what}: body broke off ({type(exc).__name__})")
+                error = TransientStoreError(f"{what}: body broke off ({type(exc).__name__})")
             finally:
                 resp.release_conn() if resp.length_remaining == 0 else resp.close()
+            if error is not None:
+                tries.failed(error)  # after the reply went back: it may sleep
 
     def _send(
         self, url: str, headers: dict[str, str], timeout: tuple[float, float]

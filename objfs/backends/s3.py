@@ -32,7 +32,6 @@ import logging
 import os
 import random
 import re
-import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -61,6 +60,7 @@ from objfs.errors import (
     TransientStoreError,
     UsageError,
 )
+from objfs.retry import Tries, call_with_reload
 
 if TYPE_CHECKING:
     from mypy_boto3_s3.client import S3Client
@@ -233,20 +233,14 @@ class S3Backend(Backend):
             )
         return lambda: current.replace(found)
 
-    def _credentials_generation(self) -> int:
-        """(Worker thread) Check the credential files (cheap; see CredentialWatch.poll)."""
-        return 0 if self._watch is None else self._watch.poll()
-
-    def _newer_credentials(self, exc: Exception, generation: int) -> int | None:
-        """(Worker thread) For a request signed at ``generation`` that failed with ``exc``:
-        the generation of newer credentials to try once more with, else None."""
-        if self._watch is None or not isinstance(exc, botocore.exceptions.ClientError):
-            return None
+    @staticmethod
+    def _is_refusal(exc: Exception) -> bool:
+        """A refusal that fresher credentials may cure."""
+        if not isinstance(exc, botocore.exceptions.ClientError):
+            return False
         code = str(exc.response.get("Error", {}).get("Code", ""))
         status = int(exc.response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0))
-        if code not in _AUTH_RETRY_CODES and status not in _AUTH_RETRY_STATUSES:
-            return None
-        return self._watch.newer_than(generation)
+        return code in _AUTH_RETRY_CODES or status in _AUTH_RETRY_STATUSES
 
     def _make_client(
         self, session: boto3.session.Session, endpoint: str | None, attempts: int
@@ -335,13 +329,7 @@ class S3Backend(Backend):
 
     async def _call(self, what: str, fn: Any, /, **kwargs: Any) -> Any:
         def call() -> Any:
-            generation = self._credentials_generation()
-            try:
-                return fn(**kwargs)
-            except botocore.exceptions.ClientError as exc:
-                if self._newer_credentials(exc, generation) is None:
-                    raise
-            return fn(**kwargs)  # once more, signed with the reloaded credentials
+            return call_with_reload(self._watch, lambda: fn(**kwargs), self._is_refusal)
 
         try:
             return await trio.to_thread.run_sync(
@@ -426,44 +414,34 @@ class S3Backend(Backend):
         headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
         if etag:
             headers["If-Match"] = etag
-        attempts = max(1, self.options.max_attempts)
-        failures = 0  # tries that failed in a retryable way
-        reloaded = False  # the one try with reloaded credentials is spent
-        generation = self._credentials_generation()
-        last: Exception | None = None
+        tries = Tries(self.options.max_attempts, self._watch, _backoff_s)
         while True:
-            if last is not None:
-                failures += 1
-                if failures >= attempts:
-                    raise last
-                time.sleep(_backoff_s(failures - 1))
-                last = None
             url, signed = self._signed_get(key, headers)
             if rawhttp.uses_proxy(url):
                 try:
                     self._get_into_via_sdk(what, key, etag, start, views)
                 except botocore.exceptions.ClientError as exc:
-                    newer = None if reloaded else self._newer_credentials(exc, generation)
-                    if newer is None:
-                        raise
-                    reloaded, generation = True, newer
-                    continue
+                    if self._is_refusal(exc) and tries.refused():
+                        continue
+                    raise
                 return
             try:
                 reply = self._data.get_into(url, signed, views)
             except rawhttp.ConnectionFailed as exc:
-                last = TransientStoreError(f"{what}: connection failed ({exc})")
+                tries.failed(TransientStoreError(f"{what}: connection failed ({exc})"))
                 continue
             if reply.status in (200, 206):
                 got_range = reply.headers.get("Content-Range", "")
                 whole = reply.status == 200 and start == 0
                 if not (whole or got_range.startswith(expected_range)):
                     # Bytes of another range (a broken proxy or server): never pass them on.
-                    last = TransientStoreError(f"{what}: the reply is for {got_range!r}")
+                    tries.failed(TransientStoreError(f"{what}: the reply is for {got_range!r}"))
                     continue
                 if reply.received == length:
                     return
-                last = TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
+                tries.failed(
+                    TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
+                )
                 continue
             code = _error_code(reply.error_body) or str(reply.status)
             # The SDK's error shape, so that one table (_map_error) maps every request's errors.
@@ -473,12 +451,10 @@ class S3Backend(Backend):
             }
             error = botocore.exceptions.ClientError(response, "GetObject")
             if reply.status in _RETRY_STATUSES or code in _RETRY_CODES:
-                last = self._map_error(error, what)
+                tries.failed(self._map_error(error, what))
                 continue
-            newer = None if reloaded else self._newer_credentials(error, generation)
-            if newer is None:
+            if not (self._is_refusal(error) and tries.refused()):
                 raise error
-            reloaded, generation = True, newer  # at once, not counted as a failure
 
     def _signed_get(self, key: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
         """The object's URL as botocore resolves it (endpoint, addressing style) and
