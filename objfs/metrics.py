@@ -151,9 +151,9 @@ class InstrumentedBackend(Backend):
         finally:
             stats.in_flight -= 1
 
-    async def check(self, prefix: str) -> None:
+    async def check(self, prefix: str) -> bool:
         with self._request("list", f"{prefix!r} (check)"):
-            await self.inner.check(prefix)
+            return await self.inner.check(prefix)
 
     def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         return _ListPages(self, prefix)

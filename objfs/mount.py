@@ -349,10 +349,10 @@ async def serve_async(
 ) -> None:
     """Check the bucket, mount, serve until a signal or an unmount, then unmount."""
     backend = InstrumentedBackend(backend)  # counts requests for metrics and `objfs status`
-    await backend.check(config.source.prefix)
+    has_keys = await backend.check(config.source.prefix)
     disk = open_disk_cache(config, backend)
     fs = FileSystem(backend, config, disk)
-    if not await backend.has_keys_under(config.source.prefix):
+    if not has_keys:
         # Mounting an empty prefix is legal (objects may come later), but it is mostly a typo.
         fs.empty_source = True
         log.warning(

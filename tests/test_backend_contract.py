@@ -214,8 +214,11 @@ async def test_missing_key_is_not_found(store: Store) -> None:
 
 
 async def test_check_passes_and_a_missing_bucket_fails(store: Store) -> None:
-    await store.backend.check("")
-    await store.backend.check("no/such/prefix/")  # an empty prefix is a valid (empty) mount
+    await trio.to_thread.run_sync(store.put, "c/d/present.txt", b"here")
+    # It answers whether anything lies under the prefix (an empty one mounts, with a warning).
+    assert await store.backend.check("") is True
+    assert await store.backend.check("c/") is True  # only a deeper "directory" under it
+    assert await store.backend.check("no/such/prefix/") is False
     missing = store.missing_bucket()
     try:
         with pytest.raises(BucketNotFoundError):

@@ -698,14 +698,14 @@ class AzureBackend(Backend):
 
     # -- Backend ---------------------------------------------------------------------------
 
-    async def check(self, prefix: str) -> None:
+    async def check(self, prefix: str) -> bool:
         pages = self._container.walk_blobs(
             name_starts_with=prefix or None,
             delimiter="/",
             results_per_page=1,
             retry_total=_CHECK_ATTEMPTS - 1,
         ).by_page()
-        await self._call(f"listing {self._url(prefix)}", lambda: _next_page(pages))
+        return bool(await self._call(f"listing {self._url(prefix)}", lambda: _next_page(pages)))
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         what = f"listing {self._url(prefix)}"

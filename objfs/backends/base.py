@@ -49,8 +49,9 @@ class Backend(abc.ABC):
     description: str = ""
 
     @abc.abstractmethod
-    async def check(self, prefix: str) -> None:
-        """Verify that the bucket exists and can be listed at ``prefix``.
+    async def check(self, prefix: str) -> bool:
+        """Verify that the bucket exists and can be listed at ``prefix``; returns whether
+        any key lies under ``prefix`` (the same one-key listing tells).
 
         Raises BucketNotFoundError, AccessDeniedError, NoCredentialsError or
         EndpointUnreachableError with a message that says what to do. Used before mounting so

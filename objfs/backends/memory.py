@@ -121,8 +121,10 @@ class MemoryBackend(Backend):
     def _info(self, key: str, obj: _Stored) -> ObjectInfo:
         return ObjectInfo(key=key, size=obj.size, etag=obj.etag, mtime_ns=obj.mtime_ns)
 
-    async def check(self, prefix: str) -> None:
+    async def check(self, prefix: str) -> bool:
         await self._request("list", prefix)
+        i = bisect.bisect_left(self._sorted, prefix)
+        return i < len(self._sorted) and self._sorted[i].startswith(prefix)
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         # Collect the whole level first (entries in key order, prefixes rolled up), then cut it

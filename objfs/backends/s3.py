@@ -340,8 +340,8 @@ class S3Backend(Backend):
 
     # -- Backend ---------------------------------------------------------------------------
 
-    async def check(self, prefix: str) -> None:
-        await self._call(
+    async def check(self, prefix: str) -> bool:
+        resp = await self._call(
             f"listing s3://{self.bucket}/{prefix}",
             self._check_client.list_objects_v2,
             Bucket=self.bucket,
@@ -349,6 +349,7 @@ class S3Backend(Backend):
             Delimiter="/",
             MaxKeys=1,
         )
+        return bool(resp.get("Contents") or resp.get("CommonPrefixes"))
 
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         token: str | None = None
