@@ -55,8 +55,9 @@ import mmap
 import os
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import trio
 
@@ -79,6 +80,8 @@ from objfs.scheduler import Fetcher, ceil_div
 from objfs.singleflight import SingleFlight
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # A random read that misses every tier fetches this much around what it touches (a multiple
 # of the page size: the kernel caches the pages it asked for).
@@ -418,6 +421,27 @@ class FileSystem:
     def _served_stale(self) -> None:
         self.stale_answers += 1
 
+    async def _from_store(
+        self, ask: Callable[[], Awaitable[T]], known_at: Callable[[], float | None]
+    ) -> tuple[T] | None:
+        """The store's answer to ``ask()`` (in a 1-tuple), or None when the caller should
+        serve what it knows instead: the store is unreachable (or was a moment ago, see
+        _skip_store) and what is known, confirmed at ``known_at()`` (None: nothing), may
+        still be served. The one place the stale-but-available rule is applied."""
+        at = known_at()
+        if at is not None and self._skip_store(at):
+            self._served_stale()
+            return None
+        try:
+            return (await ask(),)
+        except (EndpointUnreachableError, TransientStoreError) as exc:
+            self._store_failed(exc)
+            at = known_at()
+            if at is not None and self._servable(at):
+                self._served_stale()
+                return None
+            raise
+
     def store_state(self) -> dict[str, float | int | None]:
         return {
             "outages": self.outages,
@@ -436,22 +460,20 @@ class FileSystem:
         cached = self._listings.get(dir_node.inode)
         if cached is not None and self._fresh(cached.fetched_at):
             return cached
-        if cached is not None and self._skip_store(cached.fetched_at):
-            self._served_stale()
-            return cached
-        try:
-            listing = await self._list_flight.run(
+
+        def known_at() -> float | None:
+            known = self._listings.get(dir_node.inode)
+            return None if known is None else known.fetched_at
+
+        answer = await self._from_store(
+            lambda: self._list_flight.run(
                 (dir_node.inode, False), lambda: self._fetch_listing(dir_node)
-            )
-            assert listing is not None  # a whole listing is never cut short
-            return listing
-        except (EndpointUnreachableError, TransientStoreError) as exc:
-            self._store_failed(exc)
-            cached = self._listings.get(dir_node.inode)
-            if cached is not None and self._servable(cached.fetched_at):
-                self._served_stale()
-                return cached
-            raise
+            ),
+            known_at,
+        )
+        listing = self._listings[dir_node.inode] if answer is None else answer[0]
+        assert listing is not None  # a whole listing is never cut short
+        return listing
 
     async def _fetch_listing(self, dir_node: Node, *, first_page: bool = False) -> Listing | None:
         """List the directory and cache the listing. ``first_page``: stop after the first
@@ -529,21 +551,19 @@ class FileSystem:
         attributes never change: a new version becomes a new node (``node`` is superseded)."""
         if node.superseded or self._fresh(node.checked_at):
             return
-        if self._skip_store(node.checked_at):
-            self._served_stale()
-            return
-        try:
-            info, started = await self._head(node.key)
-        except ObjectNotFoundError:
-            self._store_answered()
-            self._gone(node)
-            raise
-        except (EndpointUnreachableError, TransientStoreError) as exc:
-            self._store_failed(exc)
-            if self._servable(node.checked_at):
-                self._served_stale()
-                return
-            raise
+
+        async def head() -> tuple[ObjectInfo, float]:
+            try:
+                return await self._head(node.key)
+            except ObjectNotFoundError:
+                self._store_answered()
+                self._gone(node)
+                raise
+
+        answer = await self._from_store(head, lambda: node.checked_at)
+        if answer is None:
+            return  # the known version, served stale
+        info, started = answer[0]
         if info.etag == node.etag:
             node.checked_at = max(node.checked_at, started)
         else:
@@ -630,10 +650,8 @@ class FileSystem:
             known = (listing.entries.get(name), listing.fetched_at)
         if probe is not None and (known is None or probe.checked_at > known[1]):
             known = (probe.node, probe.checked_at)
-        if known is not None and self._skip_store(known[1]):
-            self._served_stale()
-            return self._newest(known[0])
-        try:
+
+        async def ask() -> Node | None:
             if not parent.big:
                 listing = await self._list_flight.run(
                     (parent.inode, True), lambda: self._fetch_listing(parent, first_page=True)
@@ -643,12 +661,12 @@ class FileSystem:
             return await self._probe_flight.run(
                 (parent.inode, name), lambda: self._probe(parent, name)
             )
-        except (EndpointUnreachableError, TransientStoreError) as exc:
-            self._store_failed(exc)
-            if known is not None and self._servable(known[1]):
-                self._served_stale()
-                return self._newest(known[0])
-            raise
+
+        answer = await self._from_store(ask, lambda: None if known is None else known[1])
+        if answer is None:
+            assert known is not None  # served stale only when something is known
+            return self._newest(known[0])
+        return answer[0]
 
     async def getattr(self, inode: int) -> Attributes:
         node = self.node(inode)
