@@ -13,8 +13,8 @@
   the old one is *superseded*: its open handles keep reading their version (cached bytes, or
   StaleObjectError once the store has only the new one), and opening it answers ESTALE, on
   which the kernel looks the path up again and opens the new inode. Inode numbers are never
-  reused while mounted; a node is freed once the kernel forgot it (``forget``), no handle has
-  it open and no cached listing or probe names it.
+  reused while mounted; a file's node is freed once the kernel forgot it (``forget``), no
+  handle has it open and no cached listing or probe names it (directories are few and kept).
 * Metadata is cached for ``metadata_ttl_s``: a directory's listing, each name looked up
   without a fresh listing (a *probe*), and each file's attributes (a single-flight HEAD,
   shared by every handle and process that asks). ``readdir`` lists the whole directory. A

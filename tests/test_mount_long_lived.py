@@ -20,6 +20,12 @@ MiB = 1 << 20
 FAST_FAILURE = ("--read-timeout", "1.5", "--connect-timeout", "1", "--max-attempts", "2")
 
 
+def make_store_unreachable(proxy: Proxy) -> None:
+    """Every new connection reset, and every request on a kept-alive one too."""
+    proxy.refuse(True)
+    proxy.set_faults(FaultPlan(("reset",), every=1, target="all", cut_after=0))
+
+
 def status(m: Mount) -> dict[str, Any]:
     time.sleep(1.2)  # the status file is rewritten every second
     result = run_objfs("status", "--json", str(m.path))
@@ -84,10 +90,7 @@ def test_cached_files_stay_readable_while_the_store_is_unreachable(
     assert sha256(model.read_bytes()) == sha256(data)
     assert (m.path / "config.json").read_bytes() == b'{"a": 1}'
     assert (m.path / "never-read.bin").stat().st_size == 1000
-    # The store is gone: every new connection is reset, and so is every request on the
-    # connections kept alive.
-    proxy.refuse(True)
-    proxy.set_faults(FaultPlan(("reset",), every=1, target="all", cut_after=0))
+    make_store_unreachable(proxy)
     time.sleep(3)  # every piece of metadata is past its TTL
     started = time.monotonic()
     assert model.stat().st_size == len(data)
@@ -132,8 +135,7 @@ def test_strict_mount_fails_when_the_store_is_unreachable(
         *FAST_FAILURE,
     )
     assert (m.path / "config.json").read_bytes() == b"{}"
-    proxy.refuse(True)
-    proxy.set_faults(FaultPlan(("reset",), every=1, target="all", cut_after=0))
+    make_store_unreachable(proxy)
     time.sleep(1.5)
     with pytest.raises(OSError, match="Input/output error") as info:
         (m.path / "config.json").stat()
