@@ -1,0 +1,182 @@
+"""Handing a mounted ``/dev/fuse`` fd from the privileged node plugin to the unprivileged sidecar.
+
+The node plugin (``objfs csi``) mounts a FUSE file system with ``fd=N`` and *offers* that fd on
+a Unix socket in the pod's ``objfs-fd`` emptyDir; the sidecar (``objfs sidecar --fd-dir``)
+*takes* it and serves it. One socket per published target. The exchange on a connection:
+
+1. the sidecar connects;
+2. the node plugin sends one message: a 4-byte big-endian length, then that many bytes of UTF-8
+   JSON (the :class:`Offer` payload: ``source``, ``options``, ``volume_id``, ``target_path``,
+   ``version``), with the fd attached to the first byte as ``SCM_RIGHTS`` ancillary data;
+3. the sidecar answers one line: ``ok`` once it serves the fd, or ``error MESSAGE``;
+4. the sidecar keeps the connection open for as long as it serves. The node plugin reads end
+   of file on it when the sidecar is gone (exited, killed, or stopped serving).
+
+Invariants: a payload is at most :data:`MAX_PAYLOAD_BYTES`; no credential ever travels in it
+(the node plugin refuses credential-like keys before it gets here); every fd received is owned
+by exactly one :class:`Offer` and closed by :meth:`Offer.close` unless :meth:`Offer.detach_fd`
+took it. Nothing here blocks without a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+#: Bumped when the payload changes incompatibly; a sidecar refuses versions it does not know.
+PROTOCOL_VERSION = 1
+#: The options of one mount fit in a few KiB; anything larger is a bug or an attack.
+MAX_PAYLOAD_BYTES = 64 * 1024
+_LEN = struct.Struct(">I")
+
+
+class FdPassError(Exception):
+    """The other side broke the protocol, went away, or took too long."""
+
+
+def _recv_exact(conn: socket.socket, size: int) -> bytes:
+    chunks = []
+    while size:
+        data = conn.recv(size)
+        if not data:
+            raise FdPassError("the other side closed the connection mid-message")
+        chunks.append(data)
+        size -= len(data)
+    return b"".join(chunks)
+
+
+def send_offer(conn: socket.socket, fd: int, payload: dict[str, Any]) -> None:
+    """Sends ``payload`` (JSON-able) with a duplicate of ``fd`` attached; ``fd`` stays open."""
+    body = json.dumps({"version": PROTOCOL_VERSION, **payload}).encode()
+    if len(body) > MAX_PAYLOAD_BYTES:
+        raise FdPassError(f"offer payload too large ({len(body)} bytes)")
+    message = _LEN.pack(len(body)) + body
+    sent = socket.send_fds(conn, [message], [fd])
+    if sent < len(message):
+        conn.sendall(message[sent:])
+
+
+def read_reply(conn: socket.socket, timeout_s: float) -> str | None:
+    """Waits up to ``timeout_s`` for the sidecar's answer line.
+
+    Returns ``None`` for ``ok``; the error message for ``error MESSAGE``. Raises
+    :class:`FdPassError` on a timeout, end of file or anything else.
+    """
+    conn.settimeout(timeout_s)
+    line = b""
+    try:
+        while not line.endswith(b"\n"):
+            data = conn.recv(1)
+            if not data:
+                raise FdPassError("the sidecar closed the connection before answering")
+            line += data
+            if len(line) > 4096:
+                raise FdPassError("the sidecar's answer is too long")
+    except TimeoutError as exc:
+        raise FdPassError(f"no answer from the sidecar within {timeout_s:g} s") from exc
+    finally:
+        conn.settimeout(None)
+    text = line.decode(errors="replace").strip()
+    if text == "ok":
+        return None
+    if text.startswith("error"):
+        return text.removeprefix("error").strip() or "unspecified error"
+    raise FdPassError(f"unexpected answer from the sidecar: {text[:200]!r}")
+
+
+@dataclass
+class Offer:
+    """One fd taken from a node plugin's socket, with what came with it."""
+
+    fd: int
+    payload: dict[str, Any]
+    conn: socket.socket
+    _answered: bool = field(default=False, repr=False)
+
+    @property
+    def source(self) -> str:
+        return str(self.payload["source"])
+
+    @property
+    def options(self) -> dict[str, str]:
+        return {str(k): str(v) for k, v in dict(self.payload.get("options", {})).items()}
+
+    def ready(self) -> None:
+        """Tells the node plugin this fd is served; keep :attr:`conn` open while serving."""
+        self._answer(b"ok\n")
+
+    def fail(self, message: str) -> None:
+        """Tells the node plugin why this fd will not be served (one line)."""
+        self._answer(b"error " + " ".join(message.split()).encode()[:4000] + b"\n")
+
+    def _answer(self, line: bytes) -> None:
+        if self._answered:
+            return
+        self._answered = True
+        with contextlib.suppress(OSError):
+            self.conn.sendall(line)
+
+    def detach_fd(self) -> int:
+        """Hands the fd to the caller (who must close it); :meth:`close` then leaves it alone."""
+        fd, self.fd = self.fd, -1
+        return fd
+
+    def close(self) -> None:
+        """Closes the fd (unless detached) and the connection: the node plugin sees end of file."""
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+        with contextlib.suppress(OSError):
+            self.conn.close()
+
+
+def take(path: str, timeout_s: float = 10.0) -> Offer:
+    """Connects to the node plugin's socket at ``path`` and receives its fd and payload.
+
+    Raises :class:`FdPassError` (nobody listening, timeout, bad message, unknown version) or
+    ``OSError`` from ``connect``.
+    """
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(timeout_s)
+        conn.connect(path)
+        try:
+            head, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, 4)
+        except TimeoutError as exc:
+            raise FdPassError(f"no offer on {path} within {timeout_s:g} s") from exc
+        try:
+            if not head:
+                raise FdPassError(f"{path}: the node plugin closed the connection")
+            if len(head) < _LEN.size:
+                head += _recv_exact(conn, _LEN.size - len(head))
+            (size,) = _LEN.unpack(head)
+            if size > MAX_PAYLOAD_BYTES:
+                raise FdPassError(f"{path}: offer payload too large ({size} bytes)")
+            if len(fds) != 1:
+                raise FdPassError(f"{path}: expected one fd with the offer, got {len(fds)}")
+            try:
+                payload = json.loads(_recv_exact(conn, size))
+            except ValueError as exc:
+                raise FdPassError(f"{path}: the offer is not JSON: {exc}") from exc
+            if not isinstance(payload, dict) or "source" not in payload:
+                raise FdPassError(f"{path}: the offer has no source")
+            if payload.get("version") != PROTOCOL_VERSION:
+                raise FdPassError(
+                    f"{path}: offer protocol version {payload.get('version')!r}, this objfs "
+                    f"speaks {PROTOCOL_VERSION}: run the same objfs version on both sides"
+                )
+        except BaseException:
+            for fd in fds:
+                os.close(fd)
+            raise
+        conn.settimeout(None)
+        return Offer(fd=fds[0], payload=payload, conn=conn)
+    except BaseException:
+        conn.close()
+        raise
