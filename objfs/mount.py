@@ -8,6 +8,14 @@ can use the mountpoint as soon as ``objfs mount`` returns.
 
 Never stat the mountpoint from the process that serves it: the kernel would wait for an
 answer only this process can give. The daemon's parent does the final check instead.
+
+MOUNTPOINT ``/dev/fd/N`` serves a FUSE file system that another, privileged process already
+mounted (``objfs csi`` opens ``/dev/fuse``, mounts with ``fd=N`` and passes the fd on; see
+:mod:`objfs.sidecar_fd`). libfuse (3.3 and later) then uses fd N instead of mounting, and its
+unmount does nothing. objfs skips what needs the mount or privileges: the mountpoint and
+``/dev/fuse`` checks, the kernel tuning (the mounting process does it) and the unmount on the
+way out (it just stops serving and closes the fd; the kernel then fails requests on the mount
+with ENOTCONN until its owner unmounts it). Only ``--foreground`` is supported for it.
 """
 
 from __future__ import annotations
@@ -96,6 +104,36 @@ def setup_logging(
 
 # -- local checks ----------------------------------------------------------------------------
 
+_FD_MOUNTPOINT_PREFIX = "/dev/fd/"
+# /dev/fuse is the character device 10:229 on every Linux.
+_FUSE_DEVICE = os.makedev(10, 229)
+
+
+def passed_fuse_fd(mountpoint: str) -> int | None:
+    """N if ``mountpoint`` is ``/dev/fd/N`` (an fd mounted by another process), else None."""
+    if not mountpoint.startswith(_FD_MOUNTPOINT_PREFIX):
+        return None
+    number = mountpoint.removeprefix(_FD_MOUNTPOINT_PREFIX)
+    if not number.isdigit() or not number.isascii():
+        return None
+    return int(number)
+
+
+def check_passed_fd(fd: int) -> None:
+    """Raise UsageError unless ``fd`` is open on ``/dev/fuse`` in this process."""
+    try:
+        st = os.fstat(fd)
+    except OSError as exc:
+        raise UsageError(
+            f"MOUNTPOINT /dev/fd/{fd}: fd {fd} is not open ({exc.strerror}): pass the fd of "
+            "a mounted /dev/fuse to this process"
+        ) from None
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != _FUSE_DEVICE:
+        raise UsageError(
+            f"MOUNTPOINT /dev/fd/{fd}: fd {fd} is not /dev/fuse: pass the fd of a mounted "
+            "/dev/fuse to this process"
+        )
+
 
 def _unescape_mountinfo(field: str) -> str:
     # mountinfo escapes space, tab, newline and backslash as \ooo octal.
@@ -145,7 +183,15 @@ def check_mountpoint(path: str) -> None:
     An objfs mount whose daemon is gone (killed, OOM) answers ENOTCONN: it is detached here,
     with a warning, so mounting again recovers (and reuses the disk cache) without a manual
     ``objfs unmount --force``. A live or hanging mount is left alone.
+
+    ``/dev/fd/N`` (a FUSE fd mounted by another process) is served only in the foreground:
+    a usage error here, where ``objfs mount`` would start a daemon.
     """
+    if passed_fuse_fd(path) is not None:
+        raise UsageError(
+            f"MOUNTPOINT {path} is a FUSE fd mounted by another process: serve it with "
+            "--foreground (objfs cannot pass the fd on to a daemon)"
+        )
     entry = mount_entry(path)
     if entry is not None and entry[0] == "fuse.objfs":
         from objfs.sidecar import clear_dead_mount
@@ -225,7 +271,7 @@ async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
         first = True
         async for signum in signals:
-            log.info("received %s: unmounting", signal.Signals(signum).name)
+            log.info("received %s: stopping", signal.Signals(signum).name)
             if first:
                 pyfuse3.terminate()
                 first = False
@@ -362,19 +408,29 @@ async def serve_async(
         )
     ops = ObjfsOperations(fs)
     telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
+    passed_fd = passed_fuse_fd(config.mountpoint)
     try:
+        # With /dev/fd/N libfuse takes fd N as the session's channel and mounts nothing; the
+        # mount options then only configure the session (the mounting process chose the
+        # kernel's).
         pyfuse3.init(ops, config.mountpoint, fuse_options(config))
     except RuntimeError as exc:
         telemetry.close()
         hint = ""
-        if config.allow_other and os.geteuid() != 0:
+        if passed_fd is not None:
+            hint = ": is the fd a mounted /dev/fuse?"
+        elif config.allow_other and os.geteuid() != 0:
             hint = ": --allow-other needs `user_allow_other` in /etc/fuse.conf"
         raise MountFailedError(f"mounting {config.mountpoint} failed ({exc}){hint}") from None
-    log.info("mounted %s on %s", backend.description, config.mountpoint)
+    if passed_fd is None:
+        log.info("mounted %s on %s", backend.description, config.mountpoint)
+    else:
+        log.info("serving %s on fd %d (mounted by another process)", backend.description, passed_fd)
 
     async def tune_after_init() -> None:
         await ops.initialized.wait()
-        tune_kernel(config)
+        if passed_fd is None:  # the process that mounted the fd tunes its mount
+            tune_kernel(config)
 
     try:
         async with trio.open_nursery() as nursery:
@@ -384,7 +440,10 @@ async def serve_async(
             # Writes the status file, then reports READY; refreshes the file every second.
             nursery.start_soon(telemetry.run, on_ready)
             await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
-            log.info("%s was unmounted", config.mountpoint)
+            if passed_fd is None:
+                log.info("%s was unmounted", config.mountpoint)
+            else:
+                log.info("stopped serving fd %d", passed_fd)
             # Blocks fetched but not yet on disk are what the next mount would miss.
             with trio.move_on_after(_DISK_FLUSH_TIMEOUT_S):
                 await fs.flush_disk_writes()
@@ -392,7 +451,10 @@ async def serve_async(
     finally:
         with trio.CancelScope(shield=True):
             telemetry.close()
-            pyfuse3.close(unmount=True)
+            # A passed fd is unmounted by the process that mounted it (this one may not be
+            # allowed to); closing the session closes the fd, and the kernel then fails
+            # requests on that mount with ENOTCONN.
+            pyfuse3.close(unmount=passed_fd is None)
             await backend.aclose()
     log.info("objfs stopped: %s", fs.statistics())
 
@@ -414,11 +476,18 @@ def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd:
         _sd_notify("READY=1")
 
     try:
-        check_mountpoint(config.mountpoint)
-        check_fuse()
+        passed_fd = passed_fuse_fd(config.mountpoint)
+        if passed_fd is None:
+            check_mountpoint(config.mountpoint)
+            check_fuse()
+            # A real path from here on: nothing may resolve it once it is mounted (see
+            # tune_kernel).
+            config = dataclasses.replace(config, mountpoint=os.path.realpath(config.mountpoint))
+        else:
+            # Mounted already by the process that passed the fd; /dev/fuse need not exist
+            # here. Kept as /dev/fd/N: resolving it would name /dev/fuse.
+            check_passed_fd(passed_fd)
         limit_heap_growth()
-        # A real path from here on: nothing may resolve it once it is mounted (see tune_kernel).
-        config = dataclasses.replace(config, mountpoint=os.path.realpath(config.mountpoint))
         backend = backend_factory()
         trio.run(serve_async, config, backend, ready)
     except ObjfsError as exc:

@@ -1,0 +1,626 @@
+"""``objfs sidecar --fd-dir DIR``: serve the FUSE fds that ``objfs csi`` hands over.
+
+The privileged node plugin mounts each volume with ``fd=N`` and offers that fd on a Unix
+socket ``DIR/*.sock`` (:mod:`objfs.fdpass`). This process needs no capability and no
+``/dev/fuse``: it polls DIR, takes each offer and serves it with a child
+``objfs mount SOURCE /dev/fd/N --foreground OPTIONS``, one per socket (pyfuse3 serves one
+session per process).
+
+Invariants:
+
+* at most one child per socket; a socket whose file disappears (the volume was unpublished)
+  or is replaced gets its child stopped;
+* an fd is owned by exactly one of: the :class:`~objfs.fdpass.Offer` (until the child is
+  spawned), the child (this process closes its copy right after spawning, so the mount's
+  connection ends when the child does);
+* the offer's connection is open iff its child starts or serves: it is answered ``ok`` once
+  the child serves (its status file appeared), ``error MESSAGE`` if the options are refused or
+  the child fails first, and closed when the child exits, so the node plugin sees end of file
+  and, on the next connection, offers a fresh mount of the same target (a restarted sidecar
+  takes over the same way);
+* credentials come only from this process's environment and files (``credentials-file``,
+  ``sas-token-file`` name files in this container), never from an offer; log lines carry
+  sources, volume ids and option names, never option values;
+* children die with this process (``PR_SET_PDEATHSIG``): a killed sidecar leaves dead mounts
+  (ENOTCONN, EIO) that the node plugin replaces, never a server nobody supervises.
+
+State files (the root file system is read-only in the pod, so everything goes under
+``$OBJFS_STATE_DIR``, default DIR): ``.objfs-sidecar.json`` (rewritten every second: pid,
+volumes and their state), ``.ready`` (present while every offered volume is served) and
+``.objfs-run/NAME/`` (each child's status file). ``objfs status --probe DIR`` answers from
+them.
+
+SIGTERM or SIGINT stops every child (SIGTERM, then SIGKILL after :data:`STOP_TIMEOUT_S`),
+closes the connections and exits 0. Only a bad DIR is an error (exit 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import errno
+import io
+import json
+import logging
+import os
+import selectors
+import shutil
+import signal
+import stat
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import Any
+
+from objfs import fdpass
+from objfs.errors import UsageError
+from objfs.mount import setup_logging
+
+log = logging.getLogger("objfs.sidecar")
+
+#: Environment variable naming where state files go (default: the fd dir itself).
+STATE_DIR_ENV = "OBJFS_STATE_DIR"
+STATUS_FILE = ".objfs-sidecar.json"
+READY_FILE = ".ready"
+RUN_DIR = ".objfs-run"
+#: How long a stopped child may take to exit before it is killed.
+STOP_TIMEOUT_S = 20.0
+
+_POLL_S = 0.5
+_TAKE_TIMEOUT_S = 2.0
+# A socket nobody listens on (the node plugin restarts, or the volume is going away).
+_RETRY_REFUSED_S = 1.0
+_BACKOFF_MIN_S = 1.0
+_BACKOFF_MAX_S = 30.0
+# A child that served this long before it died restarts without backoff.
+_HEALTHY_AFTER_S = 60.0
+# How long a child may take to serve (its own store check gives up well before).
+_READY_TIMEOUT_S = 180.0
+_STATUS_INTERVAL_S = 1.0
+# Options an offer may not set: the sidecar decides them.
+_REFUSED_OPTIONS = {"foreground", "daemon-ready-fd", "help"}
+# Keys the kubelet adds to volume attributes; the node plugin should drop them, but they are
+# no mount options either way.
+_POD_INFO_PREFIX = "csi.storage.k8s.io/"
+_PR_SET_PDEATHSIG = 1
+
+
+# -- options ---------------------------------------------------------------------------------
+
+
+def _mount_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    from objfs.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return parser, action.choices["mount"]
+    raise AssertionError("objfs's parser has no mount command")
+
+
+def mount_arguments(source: str, options: dict[str, str]) -> list[str]:
+    """``objfs mount`` options for an offer's ``options``; raises UsageError (one line).
+
+    Keys are long options without dashes; flags take ``true``/``false``. The result is checked
+    with ``objfs mount``'s own parser, so a value it would refuse is refused here already.
+    """
+    parser, mount = _mount_parser()
+    actions: dict[str, argparse.Action] = {}
+    for action in mount._actions:
+        for flag in action.option_strings:
+            negative = isinstance(action, argparse.BooleanOptionalAction) and flag.startswith(
+                "--no-"
+            )
+            if flag.startswith("--") and not negative:  # --no-x comes as x=false
+                actions[flag[2:]] = action
+    argv: list[str] = []
+    for key, value in sorted(options.items()):
+        if key.startswith(_POD_INFO_PREFIX):
+            continue
+        found = actions.get(key)
+        if found is None or key in _REFUSED_OPTIONS:
+            raise UsageError(
+                f"unknown option {key!r}: a volume takes `objfs mount` long options without "
+                "dashes (e.g. region, metadata-ttl, cache-size)"
+            )
+        action = found
+        if action.nargs == 0:  # a flag (store_true, or --x/--no-x)
+            truth = value.strip().lower()
+            if truth in ("true", "1", "yes", "on"):
+                argv.append(f"--{key}")
+            elif truth in ("false", "0", "no", "off"):
+                if isinstance(action, argparse.BooleanOptionalAction):
+                    argv.append(f"--no-{key}")
+            else:
+                raise UsageError(f"option {key!r} is a flag: give true or false")
+        else:
+            argv.append(f"--{key}={value}")  # '=': a value may start with a dash
+    # argparse reports to stderr and exits; catch both to get its one line.
+    captured = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(captured):
+            parser.parse_args(["mount", source, "/dev/fd/0", *argv, "--foreground"])
+    except SystemExit:
+        message = captured.getvalue().strip().removeprefix("objfs: error:").strip()
+        message = message.split(" (see `")[0] or "the options are not valid"
+        raise UsageError(f"bad mount options: {message}") from None
+    return argv
+
+
+# -- children --------------------------------------------------------------------------------
+
+
+def _die_with_parent_fn() -> Any:
+    """A preexec_fn: the child gets SIGTERM when this process dies, even by SIGKILL."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+    parent = os.getpid()
+
+    def preexec() -> None:
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # died before the prctl
+            os._exit(1)
+
+    return preexec
+
+
+@dataclass
+class _Child:
+    """One ``objfs mount /dev/fd/N`` child and the offer whose fd it serves."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    offer: fdpass.Offer
+    source: str
+    volume_id: str
+    run_dir: str
+    started_at: float
+    served_since: float | None = None
+    stop_deadline: float | None = None
+    partial: bytes = b""
+    error: str = ""
+
+    def status_written(self) -> bool:
+        with contextlib.suppress(OSError):
+            return any(n.endswith(".json") for n in os.listdir(self.run_dir))
+        return False
+
+
+@dataclass
+class _Volume:
+    """What the sidecar knows of one socket ``DIR/NAME``."""
+
+    name: str
+    path: str
+    ident: tuple[int, int]
+    child: _Child | None = None
+    next_try: float = 0.0
+    backoff: float = _BACKOFF_MIN_S
+    # No node plugin listens (refused): nothing to serve there for now.
+    idle: bool = False
+    error: str = ""
+    taken: int = 0
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def _socket_ident(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISSOCK(st.st_mode):
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+class FdSidecar:
+    def __init__(self, fd_dir: str, state_dir: str) -> None:
+        self.fd_dir = fd_dir
+        self.state_dir = state_dir
+        self.run_root = os.path.join(state_dir, RUN_DIR)
+        self.volumes: dict[str, _Volume] = {}
+        self.children: list[_Child] = []  # serving, starting and stopping
+        self.stop_requested = False
+        self.selector = selectors.DefaultSelector()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.selector.register(self._wake_r, selectors.EVENT_READ, None)
+        self._preexec = _die_with_parent_fn()
+        self._last_status = 0.0
+        self._ready: bool | None = None
+        self._polled = False
+
+    # -- signals -----------------------------------------------------------------------------
+
+    def on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if not self.stop_requested:
+            log.info("received %s: stopping every mount", signal.Signals(signum).name)
+        self.stop_requested = True
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def run(self) -> int:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, self.on_signal)
+        old_wakeup = signal.set_wakeup_fd(self._wake_w)
+        os.makedirs(self.run_root, mode=0o700, exist_ok=True)
+        self._remove(os.path.join(self.state_dir, READY_FILE))
+        log.info("objfs sidecar: serving the FUSE fds offered in %s", self.fd_dir)
+        try:
+            while not self.stop_requested:
+                self._scan()
+                self._check_children()
+                self._polled = True
+                self._write_state()
+                self._wait(_POLL_S)
+        finally:
+            self._shutdown()
+            signal.set_wakeup_fd(old_wakeup)
+            self._remove(os.path.join(self.state_dir, READY_FILE))
+            self._remove(os.path.join(self.state_dir, STATUS_FILE))
+            shutil.rmtree(self.run_root, ignore_errors=True)
+        log.info("objfs sidecar stopped")
+        return 0
+
+    def _wait(self, timeout: float) -> None:
+        """Sleep up to ``timeout``, forwarding the children's stderr; a signal wakes it."""
+        deadline = time.monotonic() + timeout
+        while not self.stop_requested:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                return
+            for key, _ in self.selector.select(remaining):
+                if key.data is None:
+                    with contextlib.suppress(OSError):
+                        while os.read(self._wake_r, 512):
+                            pass
+                else:
+                    self._forward(key.data)
+
+    def _forward(self, child: _Child) -> None:
+        """Copy a child's stderr to ours, remembering its last error line."""
+        pipe = child.proc.stderr
+        assert pipe is not None
+        try:
+            data = os.read(pipe.fileno(), 65536)
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if not data:
+            self.selector.unregister(pipe)
+            pipe.close()
+            data = b"\n" if child.partial else b""
+        else:
+            with contextlib.suppress(OSError, ValueError):
+                sys.stderr.buffer.write(data)
+                sys.stderr.buffer.flush()
+        lines = (child.partial + data).split(b"\n")
+        child.partial = lines.pop()[-8192:]
+        for line in lines:
+            text = line.decode("utf-8", "replace").strip()
+            if text.startswith(("objfs: error:", "objfs: internal error:")):
+                child.error = text.removeprefix("objfs: ")
+
+    # -- sockets -----------------------------------------------------------------------------
+
+    def _scan(self) -> None:
+        present: dict[str, tuple[int, int]] = {}
+        try:
+            names = os.listdir(self.fd_dir)
+        except OSError as exc:
+            log.warning("cannot list %s: %s", self.fd_dir, exc.strerror)
+            return
+        for name in sorted(names):
+            if name.endswith(".sock"):
+                ident = _socket_ident(os.path.join(self.fd_dir, name))
+                if ident is not None:
+                    present[name] = ident
+        for name, volume in list(self.volumes.items()):
+            if present.get(name) != volume.ident:
+                if volume.child is not None:
+                    log.info("%s was removed: stopping the mount it served", name)
+                    self._stop_child(volume.child)
+                del self.volumes[name]
+        now = time.monotonic()
+        for name, ident in present.items():
+            volume = self.volumes.setdefault(
+                name, _Volume(name, os.path.join(self.fd_dir, name), ident)
+            )
+            if volume.child is None and now >= volume.next_try and not self.stop_requested:
+                self._take(volume)
+
+    def _take(self, volume: _Volume) -> None:
+        now = time.monotonic()
+        try:
+            offer = fdpass.take(volume.path, _TAKE_TIMEOUT_S)
+        except OSError as exc:
+            if exc.errno not in (errno.ECONNREFUSED, errno.ENOENT):
+                self._failed(volume, f"cannot connect: {exc.strerror or exc}", now)
+                return
+            # Nobody listens: a leftover socket, or the node plugin restarts. Quietly later.
+            log.debug("%s: no offer (%s)", volume.name, exc.strerror or exc)
+            volume.idle = True
+            volume.next_try = now + _RETRY_REFUSED_S
+            return
+        except fdpass.FdPassError as exc:
+            self._failed(volume, str(exc), now)
+            return
+        volume.idle = False
+        volume.taken += 1
+        volume.info = {
+            "source": offer.source,
+            "volume_id": str(offer.payload.get("volume_id", "")),
+            "target_path": str(offer.payload.get("target_path", "")),
+        }
+        try:
+            argv = mount_arguments(offer.source, offer.options)
+        except UsageError as exc:
+            offer.fail(str(exc))
+            offer.close()
+            self._failed(volume, str(exc), now)
+            return
+        self._spawn(volume, offer, argv)
+
+    def _spawn(self, volume: _Volume, offer: fdpass.Offer, argv: list[str]) -> None:
+        now = time.monotonic()
+        run_dir = os.path.join(self.run_root, volume.name.removesuffix(".sock"))
+        shutil.rmtree(run_dir, ignore_errors=True)  # a status file of an earlier child
+        env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
+        env["OBJFS_RUNTIME_DIR"] = run_dir
+        fd = offer.detach_fd()
+        cmd = [sys.executable, "-m", "objfs", "mount", offer.source, f"/dev/fd/{fd}", *argv]
+        try:
+            os.makedirs(run_dir, mode=0o700)
+            proc = subprocess.Popen(
+                [*cmd, "--foreground"],
+                pass_fds=(fd,),
+                stdin=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                env=env,
+                start_new_session=True,  # this process decides when it stops
+                preexec_fn=self._preexec,
+            )
+        except OSError as exc:
+            message = f"cannot start objfs mount: {exc.strerror or exc}"
+            offer.fail(message)
+            offer.close()
+            self._failed(volume, message, now)
+            return
+        finally:
+            os.close(fd)  # the child's now: the mount ends with it
+        assert proc.stderr is not None
+        os.set_blocking(proc.stderr.fileno(), False)
+        child = _Child(
+            name=volume.name,
+            proc=proc,
+            offer=offer,
+            source=offer.source,
+            volume_id=volume.info["volume_id"],
+            run_dir=run_dir,
+            started_at=now,
+        )
+        self.selector.register(proc.stderr, selectors.EVENT_READ, child)
+        volume.child = child
+        self.children.append(child)
+        log.info(
+            "%s: starting objfs for %s (volume %s, options: %s), pid %d",
+            volume.name,
+            offer.source,
+            child.volume_id or "?",
+            ", ".join(sorted(offer.options)) or "none",
+            proc.pid,
+        )
+
+    def _failed(self, volume: _Volume, message: str, now: float) -> None:
+        log.warning("%s: %s; trying again in %.0f s", volume.name, message, volume.backoff)
+        volume.error = message
+        volume.next_try = now + volume.backoff
+        volume.backoff = min(_BACKOFF_MAX_S, volume.backoff * 2)
+
+    # -- children ----------------------------------------------------------------------------
+
+    def _check_children(self) -> None:
+        now = time.monotonic()
+        for child in list(self.children):
+            volume = self.volumes.get(child.name)
+            if volume is not None and volume.child is not child:
+                volume = None
+            code = child.proc.poll()
+            if child.stop_deadline is not None:  # being stopped
+                if code is None:
+                    if now > child.stop_deadline:
+                        log.warning(
+                            "%s: objfs (pid %d) did not stop: killing it",
+                            child.name,
+                            child.proc.pid,
+                        )
+                        child.proc.kill()
+                        child.stop_deadline = now + STOP_TIMEOUT_S
+                    continue
+                self._reap(child)
+                continue
+            if code is None:
+                if child.served_since is None:
+                    if child.status_written():
+                        child.served_since = now
+                        child.offer.ready()
+                        if volume is not None:
+                            volume.error = ""
+                        log.info(
+                            "%s: serving %s (pid %d)", child.name, child.source, child.proc.pid
+                        )
+                    elif now - child.started_at > _READY_TIMEOUT_S:
+                        message = f"objfs did not serve within {_READY_TIMEOUT_S:.0f} s"
+                        child.offer.fail(message)
+                        self._stop_child(child)
+                        if volume is not None:
+                            volume.child = None
+                            self._failed(volume, message, now)
+                continue
+            # The child exited on its own.
+            self._drain(child)
+            how = f"exit status {code}" if code >= 0 else f"killed by {_signame(-code)}"
+            if child.served_since is None:
+                message = child.error or f"objfs mount stopped ({how}) before serving"
+                child.offer.fail(message)
+            self._reap(child)
+            if volume is None:
+                continue
+            volume.child = None
+            if child.served_since is None:
+                self._failed(volume, message, now)
+            else:
+                served = now - child.served_since
+                if served >= _HEALTHY_AFTER_S:
+                    volume.backoff = _BACKOFF_MIN_S
+                message = f"objfs serving {child.source} stopped after {served:.0f} s ({how})"
+                if child.error:
+                    message += f": {child.error}"
+                # The connection is closed: the node plugin mounts afresh on the next offer.
+                self._failed(volume, message, now)
+
+    def _drain(self, child: _Child) -> None:
+        pipe = child.proc.stderr
+        if pipe is not None and not pipe.closed:
+            for _ in range(64):
+                if pipe.closed:
+                    break
+                self._forward(child)
+
+    def _stop_child(self, child: _Child) -> None:
+        if child.stop_deadline is None:
+            child.stop_deadline = time.monotonic() + STOP_TIMEOUT_S
+            with contextlib.suppress(ProcessLookupError):
+                child.proc.send_signal(signal.SIGTERM)
+
+    def _reap(self, child: _Child) -> None:
+        """The child is gone: close its connection (end of file for the node plugin)."""
+        child.proc.wait()
+        pipe = child.proc.stderr
+        if pipe is not None and not pipe.closed:
+            with contextlib.suppress(KeyError, ValueError):
+                self.selector.unregister(pipe)
+            pipe.close()
+        child.offer.fail("the sidecar stopped the mount")  # only if not answered yet
+        child.offer.close()
+        shutil.rmtree(child.run_dir, ignore_errors=True)
+        if child in self.children:
+            self.children.remove(child)
+
+    def _shutdown(self) -> None:
+        for child in self.children:
+            self._stop_child(child)
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for child in list(self.children):
+            try:
+                child.proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                log.warning(
+                    "%s: objfs (pid %d) did not stop: killing it", child.name, child.proc.pid
+                )
+                child.proc.kill()
+                child.proc.wait()
+            self._drain(child)
+            self._reap(child)
+        for volume in self.volumes.values():
+            volume.child = None
+
+    # -- state files -------------------------------------------------------------------------
+
+    def _write_state(self) -> None:
+        ready = self._polled and all(
+            (v.child is not None and v.child.served_since is not None) or v.idle
+            for v in self.volumes.values()
+        )
+        ready_path = os.path.join(self.state_dir, READY_FILE)
+        if ready != self._ready:
+            try:
+                if ready:
+                    _write_atomic(ready_path, f"{os.getpid()}\n")
+                    log.info("every offered volume is served")
+                else:
+                    self._remove(ready_path)
+                self._ready = ready
+            except OSError as exc:
+                log.warning("cannot write %s: %s", ready_path, exc.strerror)
+        now = time.time()
+        if now - self._last_status < _STATUS_INTERVAL_S:
+            return
+        self._last_status = now
+        volumes: dict[str, Any] = {}
+        for volume in self.volumes.values():
+            child = volume.child
+            state = "idle" if volume.idle else "waiting"
+            if child is not None:
+                state = "serving" if child.served_since is not None else "starting"
+            elif volume.error:
+                state = "failed"
+            volumes[volume.name] = {
+                **volume.info,
+                "state": state,
+                "pid": None if child is None else child.proc.pid,
+                "error": volume.error or None,
+                "offers_taken": volume.taken,
+            }
+        data = {
+            "format": 1,
+            "pid": os.getpid(),
+            "fd_dir": self.fd_dir,
+            "updated_at": now,
+            "ready": ready,
+            "volumes": volumes,
+        }
+        try:
+            _write_atomic(os.path.join(self.state_dir, STATUS_FILE), json.dumps(data) + "\n")
+        except OSError as exc:
+            log.warning("cannot write the status file in %s: %s", self.state_dir, exc.strerror)
+
+    @staticmethod
+    def _remove(path: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
+def _signame(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def _write_atomic(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _check_dir(path: str, what: str) -> str:
+    path = os.path.abspath(path)
+    if not os.path.isdir(path):
+        raise UsageError(f"{what} {path} is not a directory: give the pod's objfs-fd emptyDir")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(
+            f"{what} {path} is not writable by uid {os.geteuid()}: give the pod an fsGroup or "
+            "run the sidecar as a user that can write it"
+        )
+    return path
+
+
+def run_fd_sidecar(fd_dir: str) -> int:
+    """The ``objfs sidecar --fd-dir DIR`` command; raises UsageError for a bad DIR."""
+    level = (os.environ.get("OBJFS_LOG_LEVEL") or "info").lower()
+    log_format = (os.environ.get("OBJFS_LOG_FORMAT") or "text").lower()
+    if level not in ("debug", "info", "warning", "error") or log_format not in ("text", "json"):
+        raise UsageError(
+            "OBJFS_LOG_LEVEL must be debug, info, warning or error; OBJFS_LOG_FORMAT text or json"
+        )
+    fd_dir = _check_dir(fd_dir, "--fd-dir")
+    state_dir = _check_dir(os.environ.get(STATE_DIR_ENV) or fd_dir, STATE_DIR_ENV)
+    setup_logging(level, None, daemon=False, log_format=log_format)
+    return FdSidecar(fd_dir, state_dir).run()
