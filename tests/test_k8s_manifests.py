@@ -4,6 +4,7 @@ accepts, probes on the right path, sizes that fit their limits)."""
 
 from __future__ import annotations
 
+import argparse
 import copy
 import re
 import shutil
@@ -16,11 +17,13 @@ import pytest
 import yaml
 
 from objfs.cli import _mount_config, build_parser
-from objfs.config import parse_size
+from objfs.config import MountConfig, parse_size
+from objfs.errors import ObjfsError
 from objfs.sidecar import FLAG_OPTIONS, VALUE_OPTIONS, sidecar_command
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
+CSI_EXAMPLE = K8S / "csi" / "example"
 # The first release with native sidecars on by default, and the newest schemas bundled.
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
@@ -43,6 +46,8 @@ def find(kind: str, name: str) -> dict[str, Any]:
 def test_there_are_manifests() -> None:
     kinds = {doc["kind"] for path in MANIFESTS for doc in documents(path)}
     assert {"Deployment", "DaemonSet", "Pod", "ServiceAccount", "Secret"} <= kinds
+    assert {"CSIDriver", "PersistentVolume", "PersistentVolumeClaim", "Namespace"} <= kinds
+    assert any(p.is_relative_to(CSI_EXAMPLE) for p in MANIFESTS)
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -81,7 +86,7 @@ def test_kustomizations_list_every_manifest() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) missing")
-@pytest.mark.parametrize("folder", ["k8s", "k8s/sidecar", "k8s/node"])
+@pytest.mark.parametrize("folder", ["k8s", "k8s/csi", "k8s/csi/example", "k8s/sidecar", "k8s/node"])
 def test_kustomize_builds_valid_objects(folder: str) -> None:
     res = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / folder)],
@@ -93,6 +98,10 @@ def test_kustomize_builds_valid_objects(folder: str) -> None:
     assert res.returncode == 0, res.stderr
     docs = [d for d in yaml.safe_load_all(res.stdout) if d]
     assert docs
+    if folder == "k8s":  # every pattern
+        names = {(d["kind"], d["metadata"]["name"]) for d in docs}
+        assert {("CSIDriver", "csi.objfs.dev"), ("Deployment", "vllm-llama-csi")} <= names
+        assert {("Deployment", "vllm-llama"), ("DaemonSet", "objfs-node")} <= names
     for doc in docs:
         for version in VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -215,7 +224,485 @@ def test_containerfile() -> None:
     assert any("user_allow_other" in line for line in final)
     user = [line.split()[1] for line in final if line.startswith("USER")]
     assert user == ["10001"]  # not root by default
+    # The node plugin's gRPC (objfs[csi]) is in the image, and checked at build time.
+    pip = [line for line in instructions if line.startswith("RUN pip")]
+    assert len(pip) == 2
+    assert all("'.[azure,csi]'" in line or "'objfs[azure,csi]'" in line for line in pip)
+    assert any("import grpc" in line for line in final)
+    # Runs as any uid on a read-only root (the CSI sidecar: 65534): no bytecode writes.
+    assert any(line.startswith("ENV") and "PYTHONDONTWRITEBYTECODE=1" in line for line in final)
     assert 'ENTRYPOINT ["objfs"]' in final
     assert 'CMD ["sidecar"]' in final
     ignore = (ROOT / ".dockerignore").read_text().split()
     assert {"*", "!pyproject.toml", "!README.md", "!objfs/"} <= set(ignore)
+
+
+# -- the unprivileged CSI setup (k8s/csi) -----------------------------------------------------
+
+# Volume types the Restricted Pod Security Standard allows.
+RESTRICTED_VOLUME_TYPES = frozenset(
+    {
+        "configMap",
+        "csi",
+        "downwardAPI",
+        "emptyDir",
+        "ephemeral",
+        "persistentVolumeClaim",
+        "projected",
+        "secret",
+    }
+)
+RESTRICTED_ADDED_CAPABILITIES = frozenset({"NET_BIND_SERVICE"})
+RESTRICTED_SECCOMP = ("RuntimeDefault", "Localhost")
+WORKLOAD_KINDS = ("Deployment", "StatefulSet", "DaemonSet", "ReplicaSet", "Job")
+
+
+def restricted_violations(spec: dict[str, Any]) -> list[str]:
+    """The rules of the Restricted Pod Security Standard (Baseline's included) that the pod
+    spec ``spec`` breaks, one line each; empty when it complies."""
+    found: list[str] = []
+    pod_security = spec.get("securityContext") or {}
+    for field in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(field):
+            found.append(f"pod: {field} shares the node's namespace")
+    for volume in spec.get("volumes", []):
+        for kind in sorted(set(volume) - {"name"} - RESTRICTED_VOLUME_TYPES):
+            found.append(f"volume {volume['name']}: {kind} volumes are not allowed")
+    if pod_security.get("runAsUser") == 0:
+        found.append("pod: runAsUser 0")
+    pod_seccomp = (pod_security.get("seccompProfile") or {}).get("type")
+    if pod_seccomp is not None and pod_seccomp not in RESTRICTED_SECCOMP:
+        found.append(f"pod: seccompProfile {pod_seccomp}")
+    if (pod_security.get("appArmorProfile") or {}).get("type") == "Unconfined":
+        found.append("pod: appArmorProfile Unconfined")
+    containers = [
+        *spec.get("initContainers", []),
+        *spec.get("containers", []),
+        *spec.get("ephemeralContainers", []),
+    ]
+    for container in containers:
+        where = f"container {container['name']}"
+        security = container.get("securityContext") or {}
+        if security.get("privileged"):
+            found.append(f"{where}: privileged")
+        if security.get("allowPrivilegeEscalation") is not False:
+            found.append(f"{where}: allowPrivilegeEscalation is not false")
+        capabilities = security.get("capabilities") or {}
+        if "ALL" not in capabilities.get("drop", []):
+            found.append(f"{where}: capabilities do not drop ALL")
+        for added in sorted(set(capabilities.get("add", [])) - RESTRICTED_ADDED_CAPABILITIES):
+            found.append(f"{where}: adds capability {added}")
+        if security.get("runAsNonRoot", pod_security.get("runAsNonRoot")) is not True:
+            found.append(f"{where}: runAsNonRoot is not true")
+        if security.get("runAsUser") == 0:
+            found.append(f"{where}: runAsUser 0")
+        seccomp = (security.get("seccompProfile") or {}).get("type", pod_seccomp)
+        if seccomp not in RESTRICTED_SECCOMP:
+            found.append(f"{where}: seccompProfile {seccomp} (RuntimeDefault or Localhost)")
+        if (security.get("appArmorProfile") or {}).get("type") == "Unconfined":
+            found.append(f"{where}: appArmorProfile Unconfined")
+        if security.get("procMount", "Default") != "Default":
+            found.append(f"{where}: procMount {security['procMount']}")
+        if (security.get("windowsOptions") or {}).get("hostProcess"):
+            found.append(f"{where}: hostProcess")
+        for port in container.get("ports", []):
+            if port.get("hostPort"):
+                found.append(f"{where}: hostPort {port['hostPort']}")
+    return found
+
+
+def pod_templates(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    if doc["kind"] == "Pod":
+        return [doc["spec"]]
+    if doc["kind"] in WORKLOAD_KINDS:
+        return [doc["spec"]["template"]["spec"]]
+    if doc["kind"] == "CronJob":
+        return [doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]]
+    return []
+
+
+# Every pod of the CSI examples is meant to run unprivileged.
+UNPRIVILEGED = [
+    (f"{path.relative_to(K8S)}:{doc['metadata']['name']}", spec)
+    for path in MANIFESTS
+    if path.is_relative_to(CSI_EXAMPLE)
+    for doc in documents(path)
+    for spec in pod_templates(doc)
+]
+
+
+def csi_driver() -> dict[str, Any]:
+    (driver,) = [d for p in MANIFESTS for d in documents(p) if d["kind"] == "CSIDriver"]
+    return driver
+
+
+def test_there_are_unprivileged_workloads() -> None:
+    names = [name for name, _ in UNPRIVILEGED]
+    assert len(names) >= 2, names  # the inline volume's Deployment, the static volume's Pod
+
+
+@pytest.mark.parametrize(("name", "spec"), UNPRIVILEGED, ids=[n for n, _ in UNPRIVILEGED])
+def test_unprivileged_workloads_pass_restricted(name: str, spec: dict[str, Any]) -> None:
+    assert restricted_violations(spec) == []
+
+
+def test_the_examples_namespace_enforces_restricted() -> None:
+    namespace = find("Namespace", "models")["metadata"]["labels"]
+    assert namespace["pod-security.kubernetes.io/enforce"] == "restricted"
+    kustomization = yaml.safe_load((CSI_EXAMPLE / "kustomization.yaml").read_text())
+    assert kustomization["namespace"] == "models"
+
+
+def test_restricted_checker_reports_a_privileged_pod() -> None:
+    spec = copy.deepcopy(find("DaemonSet", "objfs-csi-node")["spec"]["template"]["spec"])
+    spec.update(hostNetwork=True, hostPID=True, hostIPC=True)
+    spec["containers"][0]["ports"][0]["hostPort"] = 9808
+    spec["securityContext"] = {"seccompProfile": {"type": "Unconfined"}}
+    found = restricted_violations(spec)
+    expected = [
+        "pod: hostNetwork",
+        "pod: hostPID",
+        "pod: hostIPC",
+        "pod: seccompProfile Unconfined",
+        "volume kubelet-dir: hostPath",
+        "volume dev-fuse: hostPath",
+        "container objfs-csi: privileged",
+        "container objfs-csi: allowPrivilegeEscalation",
+        "container objfs-csi: capabilities do not drop ALL",
+        "container objfs-csi: runAsNonRoot",
+        "container objfs-csi: runAsUser 0",
+        "container objfs-csi: seccompProfile Unconfined",
+        "container objfs-csi: hostPort 9808",
+        "container node-driver-registrar: runAsUser 0",
+        "container livenessprobe: runAsNonRoot",
+    ]
+    for line in expected:
+        assert any(f.startswith(line) for f in found), (line, found)
+
+
+def _set(path: str, value: Any) -> Any:
+    """A mutation of a pod spec: sets the dotted ``path`` (container names as keys) to value."""
+
+    def mutate(spec: dict[str, Any]) -> None:
+        *parents, last = path.split(".")
+        node: Any = spec
+        for key in parents:
+            if isinstance(node, list):
+                node = next(item for item in node if item["name"] == key)
+            else:
+                node = node.setdefault(key, {})
+        if value is _DELETE:
+            del node[last]
+        else:
+            node[last] = value
+
+    return mutate
+
+
+_DELETE = object()
+# One change to a compliant pod, and the one violation it must bring.
+MUTATIONS = {
+    "privileged": (_set("initContainers.objfs.securityContext.privileged", True), "privileged"),
+    "escalation": (
+        _set("initContainers.objfs.securityContext.allowPrivilegeEscalation", _DELETE),
+        "allowPrivilegeEscalation",
+    ),
+    "no drop": (_set("containers.vllm.securityContext.capabilities.drop", []), "drop ALL"),
+    "cap add": (
+        _set("containers.vllm.securityContext.capabilities.add", ["SYS_ADMIN"]),
+        "adds capability SYS_ADMIN",
+    ),
+    "root": (_set("initContainers.objfs.securityContext.runAsNonRoot", False), "runAsNonRoot"),
+    "pod root": (_set("securityContext.runAsNonRoot", _DELETE), "vllm: runAsNonRoot"),
+    "uid 0": (_set("initContainers.objfs.securityContext.runAsUser", 0), "runAsUser 0"),
+    "seccomp": (_set("securityContext.seccompProfile", _DELETE), "vllm: seccompProfile None"),
+    "unconfined": (
+        _set("initContainers.objfs.securityContext.seccompProfile.type", "Unconfined"),
+        "seccompProfile Unconfined",
+    ),
+    "apparmor": (
+        _set("containers.vllm.securityContext.appArmorProfile", {"type": "Unconfined"}),
+        "appArmorProfile Unconfined",
+    ),
+    "hostNetwork": (_set("hostNetwork", True), "hostNetwork"),
+    "hostPort": (_set("containers.vllm.ports.http.hostPort", 8000), "hostPort 8000"),
+    "hostPath": (
+        lambda spec: spec["volumes"].append({"name": "dev", "hostPath": {"path": "/dev"}}),
+        "volume dev: hostPath",
+    ),
+    "nfs": (
+        lambda spec: spec["volumes"].append({"name": "n", "nfs": {"server": "x", "path": "/"}}),
+        "volume n: nfs",
+    ),
+}
+
+
+@pytest.mark.parametrize("mutation", MUTATIONS)
+def test_restricted_checker_finds_each_violation(mutation: str) -> None:
+    change, expected = MUTATIONS[mutation]
+    spec = copy.deepcopy(find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"])
+    assert restricted_violations(spec) == []
+    change(spec)
+    found = restricted_violations(spec)
+    assert len(found) == 1, found
+    assert expected in found[0], found
+
+
+def test_restricted_checker_allows_net_bind_service() -> None:
+    spec = copy.deepcopy(find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"])
+    _set("containers.vllm.securityContext.capabilities.add", ["NET_BIND_SERVICE"])(spec)
+    _set("securityContext.seccompProfile.type", "Localhost")(spec)
+    _set("securityContext.seccompProfile.localhostProfile", "objfs.json")(spec)
+    assert restricted_violations(spec) == []
+
+
+def mount_options() -> dict[str, argparse.Action]:
+    """``objfs mount``'s long options without their dashes, and their actions."""
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {
+        option[2:]: action
+        for action in sub.choices["mount"]._actions
+        for option in action.option_strings
+        if option.startswith("--") and action.help != argparse.SUPPRESS
+    }
+
+
+CREDENTIAL_LIKE = re.compile(r"secret|password|token|key|connection-string|credential")
+
+
+def check_volume_attributes(attributes: dict[str, str]) -> MountConfig:
+    """Volume attributes are `source` and `objfs mount` options objfs accepts, no credential."""
+    options = mount_options()
+    argv = []
+    for key, value in attributes.items():
+        assert isinstance(value, str), (key, value)  # the API wants strings: quote numbers
+        if key == "source":
+            continue
+        assert key in options, f"{key} is not an objfs mount option"
+        assert key not in ("help", "foreground", "log-file"), key
+        # A path to a mounted file is fine; the credential itself never goes here.
+        assert key.endswith("-file") or not CREDENTIAL_LIKE.search(key), key
+        if options[key].nargs == 0:
+            assert value == "true", (key, value)
+            argv.append(f"--{key}")
+        else:
+            argv += [f"--{key}", value]
+    args = build_parser().parse_args(["mount", attributes["source"], "/target", *argv])
+    return _mount_config(args)
+
+
+def test_volume_attribute_check_refuses_mistakes() -> None:
+    good = {"source": "s3://my-bucket/p", "cache-size": "1G"}
+    check_volume_attributes(good)
+    for bad in ({"cache-sise": "1G"}, {"aws-secret-access-key": "x"}, {"cache-size": "lots"}):
+        with pytest.raises((AssertionError, ObjfsError, SystemExit)):
+            check_volume_attributes({**good, **bad})
+
+
+def objfs_volume(spec: dict[str, Any], driver: str) -> tuple[str, dict[str, str]]:
+    """The pod's one objfs CSI volume, inline or through a claim: (name, volumeAttributes)."""
+    found = []
+    for volume in spec["volumes"]:
+        if "csi" in volume:
+            assert volume["csi"]["driver"] == driver
+            assert volume["csi"]["readOnly"] is True
+            found.append((volume["name"], volume["csi"]["volumeAttributes"]))
+        elif "persistentVolumeClaim" in volume:
+            claim_ref = volume["persistentVolumeClaim"]
+            assert claim_ref["readOnly"] is True
+            claim = find("PersistentVolumeClaim", claim_ref["claimName"])["spec"]
+            pv = find("PersistentVolume", claim["volumeName"])["spec"]
+            assert claim["accessModes"] == pv["accessModes"] == ["ReadOnlyMany"]
+            assert claim["storageClassName"] == pv["storageClassName"] == ""
+            assert pv["csi"]["driver"] == driver
+            assert pv["csi"]["readOnly"] is True
+            assert pv["persistentVolumeReclaimPolicy"] == "Retain"
+            found.append((volume["name"], pv["csi"]["volumeAttributes"]))
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_persistent_volume_handles_are_unique() -> None:
+    handles = [
+        (d["spec"]["csi"]["driver"], d["spec"]["csi"]["volumeHandle"])
+        for p in MANIFESTS
+        for d in documents(p)
+        if d["kind"] == "PersistentVolume"
+    ]
+    assert handles
+    assert len(set(handles)) == len(handles)
+
+
+def size_limit(volume: dict[str, Any]) -> int:
+    return parse_size(volume["emptyDir"]["sizeLimit"].replace("i", ""), option="x")
+
+
+@pytest.mark.parametrize(("name", "spec"), UNPRIVILEGED, ids=[n for n, _ in UNPRIVILEGED])
+def test_csi_workload_fits_together(name: str, spec: dict[str, Any]) -> None:
+    driver = csi_driver()["metadata"]["name"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    # objfs is a native sidecar serving the fds offered in the objfs-fd emptyDir.
+    (objfs,) = [c for c in spec["initContainers"] if c["image"].split(":")[0] == "objfs"]
+    assert objfs["restartPolicy"] == "Always"
+    assert "emptyDir" in volumes["objfs-fd"]
+    fd_dir = mount_of(objfs, "objfs-fd")["mountPath"]
+    assert objfs["args"] == ["sidecar", "--fd-dir", fd_dir]
+    args = build_parser().parse_args(objfs["args"])
+    assert (args.command, args.fd_dir) == ("sidecar", fd_dir)
+    security = objfs["securityContext"]
+    assert security["runAsUser"] == security["runAsGroup"] == 65534
+    assert security["runAsNonRoot"] is True
+    assert security["allowPrivilegeEscalation"] is False
+    assert security["capabilities"] == {"drop": ["ALL"]}
+    assert security["readOnlyRootFilesystem"] is True
+    seccomp = security.get("seccompProfile", spec["securityContext"].get("seccompProfile"))
+    assert seccomp == {"type": "RuntimeDefault"}
+    # A read-only root: objfs's status files go to $TMPDIR, a volume.
+    assert (
+        "emptyDir"
+        in volumes[next(m["name"] for m in objfs["volumeMounts"] if m["mountPath"] == "/tmp")]
+    )
+    # Credentials reach the sidecar only: the optional Secret or the service account.
+    assert [e["secretRef"] for e in objfs.get("envFrom", [])] == [
+        {"name": "objfs-credentials", "optional": True}
+    ]
+    account = find("ServiceAccount", spec["serviceAccountName"])["metadata"]["annotations"]
+    assert "eks.amazonaws.com/role-arn" in account
+
+    volume, attributes = objfs_volume(spec, driver)
+    config = check_volume_attributes(attributes)
+    # The sidecar serves, it never needs the volume itself.
+    assert all(m["name"] != volume for m in objfs["volumeMounts"])
+    # The disk cache: a folder in one of the sidecar's own volumes (it runs the cache, not the
+    # node plugin), kept below the volume's size limit.
+    cache_dir = Path(attributes["cache-dir"])
+    (cache_mount,) = [m for m in objfs["volumeMounts"] if cache_dir.parent == Path(m["mountPath"])]
+    assert size_limit(volumes[cache_mount["name"]]) > parse_size(
+        attributes["cache-size"], option="x"
+    )
+    # The container's memory covers the budget, the disk-cache write queue and the overhead.
+    resources = objfs["resources"]
+    limit = parse_size(resources["limits"]["memory"].replace("i", ""), option="x")
+    assert limit >= config.memory_limit_bytes * 5 // 4 + (512 << 20)
+    assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    if config.metrics_addr:
+        port = int(config.metrics_addr.rsplit(":", 1)[1])
+        assert port in [p["containerPort"] for p in objfs.get("ports", [])]
+
+    # The model server reads the volume read-only, and sees a restarted sidecar's new mount.
+    (vllm,) = spec["containers"]
+    consumer = mount_of(vllm, volume)
+    assert consumer["readOnly"] is True
+    assert consumer["mountPropagation"] == "HostToContainer"
+    assert Path(model_path(vllm)).is_relative_to(consumer["mountPath"])
+
+
+def test_csi_driver_object() -> None:
+    driver = csi_driver()
+    assert driver["metadata"]["name"] == "csi.objfs.dev"
+    spec = driver["spec"]
+    assert spec["attachRequired"] is False
+    assert spec["podInfoOnMount"] is True  # the pod's uid: where its objfs-fd emptyDir lies
+    assert sorted(spec["volumeLifecycleModes"]) == ["Ephemeral", "Persistent"]
+    assert spec["fsGroupPolicy"] == "None"
+    assert "tokenRequests" not in spec  # the node plugin never reads the bucket
+
+
+def test_csi_code_uses_the_driver_name() -> None:
+    code = ROOT / "objfs" / "csi"
+    if not (code / "node.py").exists():
+        pytest.skip("objfs/csi/node.py is not there")
+    name = csi_driver()["metadata"]["name"]
+    assert any(name in p.read_text() for p in code.rglob("*.py"))
+
+
+@pytest.mark.parametrize(("name", "spec"), UNPRIVILEGED, ids=[n for n, _ in UNPRIVILEGED])
+def test_the_node_plugin_accepts_the_volume_attributes(name: str, spec: dict[str, Any]) -> None:
+    volume = pytest.importorskip("objfs.csi.volume")
+    _, attributes = objfs_volume(spec, csi_driver()["metadata"]["name"])
+    context = {**attributes, "csi.storage.k8s.io/pod.uid": "0b6c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3"}
+    checked = volume.parse_volume_context(context, "/var/lib/kubelet/pods/x/volumes/models/mount")
+    assert checked.source == attributes["source"]
+
+
+def flag_values(container: dict[str, Any]) -> dict[str, str]:
+    return dict(a.removeprefix("--").split("=", 1) for a in container["args"])
+
+
+def test_csi_node_plugin_fits_together() -> None:
+    name = csi_driver()["metadata"]["name"]
+    daemonset = find("DaemonSet", "objfs-csi-node")
+    spec = daemonset["spec"]["template"]["spec"]
+    assert spec["priorityClassName"] == "system-node-critical"
+    assert not spec.get("hostNetwork")
+    assert spec["automountServiceAccountToken"] is False  # no API access
+    account = find("ServiceAccount", spec["serviceAccountName"])
+    assert account["automountServiceAccountToken"] is False
+    assert {"operator": "Exists"} in spec["tolerations"]
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    containers = {c["name"]: c for c in spec["containers"]}
+    assert set(containers) == {"objfs-csi", "node-driver-registrar", "livenessprobe"}
+    for container in containers.values():
+        assert container["resources"]["requests"]
+        assert container["resources"]["limits"]["memory"]
+
+    objfs = containers["objfs-csi"]
+    args = build_parser().parse_args(objfs["args"])
+    assert args.command == "csi"
+    assert args.node_id == "$(KUBE_NODE_NAME)"
+    (node_env,) = [e for e in objfs["env"] if e["name"] == "KUBE_NODE_NAME"]
+    assert node_env["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
+    # mount(2), /dev/fuse and Bidirectional propagation: the one privileged container.
+    assert objfs["securityContext"]["privileged"] is True
+    assert objfs["securityContext"]["runAsUser"] == 0
+    # The kubelet dir at its node path, so the kubelet's target paths work unchanged; mounts
+    # made on them propagate back to the node.
+    kubelet = mount_of(objfs, "kubelet-dir")
+    assert kubelet["mountPath"] == args.kubelet_dir == volumes["kubelet-dir"]["hostPath"]["path"]
+    assert kubelet["mountPropagation"] == "Bidirectional"
+    assert mount_of(objfs, "dev-fuse")["mountPath"] == "/dev/fuse"
+    assert volumes["dev-fuse"]["hostPath"] == {"path": "/dev/fuse", "type": "CharDevice"}
+    # The gRPC socket, in the plugin's folder under the kubelet's plugins/.
+    assert args.endpoint.startswith("unix:///")
+    socket_path = Path(args.endpoint.removeprefix("unix://"))
+    plugin_mount = mount_of(objfs, "plugin-dir")
+    assert socket_path.parent == Path(plugin_mount["mountPath"])
+    host_plugin_dir = Path(volumes["plugin-dir"]["hostPath"]["path"])
+    assert host_plugin_dir == Path(args.kubelet_dir) / "plugins" / name
+
+    registrar = containers["node-driver-registrar"]
+    image, tag = registrar["image"].rsplit(":", 1)
+    assert image == "registry.k8s.io/sig-storage/csi-node-driver-registrar"
+    assert tag.startswith("v2.")
+    flags = flag_values(registrar)
+    csi_address = Path(mount_of(registrar, "plugin-dir")["mountPath"]) / socket_path.name
+    assert flags["csi-address"] == str(csi_address)
+    assert flags["kubelet-registration-path"] == str(host_plugin_dir / socket_path.name)
+    registration = volumes[
+        next(m["name"] for m in registrar["volumeMounts"] if m["mountPath"] == "/registration")
+    ]
+    assert registration["hostPath"]["path"] == f"{args.kubelet_dir}/plugins_registry"
+    assert registrar["livenessProbe"]["httpGet"]["path"] == "/healthz"
+
+    # The objfs-csi container's liveness: the livenessprobe container's /healthz, which calls
+    # the plugin's Probe over the same socket.
+    probe = containers["livenessprobe"]
+    image, tag = probe["image"].rsplit(":", 1)
+    assert image == "registry.k8s.io/sig-storage/livenessprobe"
+    assert tag.startswith("v2.")
+    flags = flag_values(probe)
+    assert flags["csi-address"] == str(
+        Path(mount_of(probe, "plugin-dir")["mountPath"]) / socket_path.name
+    )
+    http_get = objfs["livenessProbe"]["httpGet"]
+    assert http_get["path"] == "/healthz"
+    ports = {p["name"]: p["containerPort"] for p in objfs["ports"]}
+    assert flags["http-endpoint"] == f":{ports[http_get['port']]}"
+    # The helpers need no privilege: root only for the kubelet's root-owned folders.
+    for helper in (registrar, probe):
+        security = helper["securityContext"]
+        assert not security.get("privileged")
+        assert security["allowPrivilegeEscalation"] is False
+        assert security["capabilities"] == {"drop": ["ALL"]}
+        assert security["readOnlyRootFilesystem"] is True
