@@ -550,6 +550,10 @@ def test_csi_workload_fits_together(name: str, spec: dict[str, Any]) -> None:
     assert objfs["args"] == ["sidecar", "--fd-dir", fd_dir]
     args = build_parser().parse_args(objfs["args"])
     assert (args.command, args.fd_dir) == ("sidecar", fd_dir)
+    # Its probes read its status in the fd dir: started once every offered volume serves.
+    for probe in ("startupProbe", "livenessProbe"):
+        assert objfs[probe]["exec"]["command"] == ["objfs", "status", "--probe", fd_dir]
+    assert "medium" not in volumes["objfs-fd"]["emptyDir"]  # a late tmpfs would hide sockets
     security = objfs["securityContext"]
     assert security["runAsUser"] == security["runAsGroup"] == 65534
     assert security["runAsNonRoot"] is True
@@ -586,6 +590,8 @@ def test_csi_workload_fits_together(name: str, spec: dict[str, Any]) -> None:
     limit = parse_size(resources["limits"]["memory"].replace("i", ""), option="x")
     assert limit >= config.memory_limit_bytes * 5 // 4 + (512 << 20)
     assert resources["requests"]["memory"] == resources["limits"]["memory"]
+    # The sidecar's own log lines and its mounts' agree.
+    assert env_of(objfs).get("OBJFS_LOG_FORMAT", "text") == attributes.get("log-format", "text")
     if config.metrics_addr:
         port = int(config.metrics_addr.rsplit(":", 1)[1])
         assert port in [p["containerPort"] for p in objfs.get("ports", [])]
