@@ -48,6 +48,10 @@ class Source:
     directory. For Azure, ``bucket`` is the container; ``account`` is the storage account when
     SOURCE names one (``azure://``, ``https://``) and ``account_url`` the endpoint an
     ``https://`` SOURCE names (``https://ACCOUNT.blob.core.windows.net``).
+
+    An empty ``bucket`` is the *account root* (``s3://``, ``az://``, ``azure://ACCOUNT``,
+    ``https://ACCOUNT.blob.core.windows.net``): every bucket (container) the credentials can
+    list is a top-level directory; its ``prefix`` is always empty.
     """
 
     scheme: str
@@ -61,7 +65,18 @@ class Source:
         """``"s3"`` or ``"azure"``: which backend serves this source."""
         return "azure" if self.scheme in AZURE_SCHEMES else "s3"
 
+    @property
+    def account_root(self) -> bool:
+        """The whole account: one top-level directory per bucket (container)."""
+        return not self.bucket
+
     def url(self) -> str:
+        if self.account_root:
+            if self.scheme == "https":
+                return f"{self.account_url}/"
+            if self.scheme == "azure":
+                return f"azure://{self.account}/"
+            return f"{self.scheme}://"
         if self.scheme == "https":
             return f"{self.account_url}/{self.bucket}/{self.prefix}"
         if self.scheme == "azure":
@@ -98,8 +113,12 @@ def parse_source(text: str) -> Source:
             "SOURCE must not contain a query string: write it as s3://BUCKET/PREFIX"
         )
     if not authority:
+        if not path.strip("/"):
+            # s3:// alone: every bucket the credentials can list (the account root).
+            return Source(scheme=scheme, bucket="", prefix="")
         raise SourceFormatError(
-            f"SOURCE {text!r} has no bucket name: write it as s3://BUCKET or s3://BUCKET/PREFIX"
+            f"SOURCE {text!r} has no bucket name: write it as s3://BUCKET/PREFIX (or s3:// "
+            "alone for every bucket)"
         )
     if not _BUCKET_RE.match(authority):
         raise SourceFormatError(
@@ -153,6 +172,12 @@ def _parse_azure_source(scheme: str, rest: str) -> Source:
             f"digits ({form})"
         )
     if not container:
+        if not path.strip("/"):
+            # az://, azure://ACCOUNT, https://ACCOUNT.blob.core.windows.net: every container
+            # of the account (the account root).
+            return Source(
+                scheme=scheme, bucket="", prefix="", account=account, account_url=account_url
+            )
         raise SourceFormatError(f"SOURCE has no container name: write it as {form}")
     if not _CONTAINER_RE.match(container):
         raise SourceFormatError(

@@ -1,14 +1,19 @@
 """One contract, every backend: the memory fake, S3 (moto's server) and Azure (Azurite).
 
+The account root (objfs.backends.account) runs it too, for S3 and Azure: one bucket seen
+through the account's ``BUCKET/KEY`` keys (:class:`_InAccount`), so the routing, the key
+prefixes and the buckets' shared-connection backends meet the same contract.
+
 The layers above a backend (listing cache, block cache, read-ahead) rely on exactly these
 behaviours, so each test runs once per backend against a fresh bucket or container.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import pytest
@@ -89,16 +94,95 @@ def _azure_store(request: pytest.FixtureRequest) -> Store:
     )
 
 
-@pytest.fixture(params=["memory", "s3", "azure"])
+class _InAccount(Backend):
+    """One bucket of an account-root backend, with the bucket's own keys (the contract's)."""
+
+    def __init__(self, account: Backend, bucket: str) -> None:
+        from objfs.backends.account import AccountBackend
+
+        assert isinstance(account, AccountBackend)
+        self.account = account
+        self.bucket = bucket
+        self.description = account.description
+
+    def _info(self, info: ObjectInfo) -> ObjectInfo:
+        assert info.key.startswith(f"{self.bucket}/"), info.key
+        return dataclasses.replace(info, key=info.key[len(self.bucket) + 1 :])
+
+    async def check(self, prefix: str) -> bool:
+        # The bucket's backend as the account made it (a mount checks the account itself).
+        return await (await self.account.bucket(self.bucket)).check(prefix)
+
+    async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
+        cut = len(self.bucket) + 1
+        async for page in self.account.list_prefix(f"{self.bucket}/{prefix}"):
+            assert all(p.startswith(f"{self.bucket}/") for p in page.prefixes)
+            yield ListPage(
+                [self._info(o) for o in page.objects], [p[cut:] for p in page.prefixes], page.more
+            )
+
+    async def head(self, key: str) -> ObjectInfo:
+        return self._info(await self.account.head(f"{self.bucket}/{key}"))
+
+    async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
+        return await self.account.read_range(f"{self.bucket}/{key}", etag, start, length)
+
+    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
+        await self.account.read_into(f"{self.bucket}/{key}", etag, start, views)
+
+    async def aclose(self) -> None:
+        await self.account.aclose()
+
+
+def _in_account(store: Store, account: Callable[[], Backend], bucket: str) -> Store:
+    """``store``'s bucket through the account root; its missing bucket too."""
+    store.backend = _InAccount(account(), bucket)
+    store.missing_bucket = lambda: _InAccount(account(), "no-such-bucket-objfs")
+    return store
+
+
+def _s3_account_store(request: pytest.FixtureRequest) -> Store:
+    from objfs.backends.account import open_account
+    from objfs.config import MountConfig, S3Options, parse_source
+
+    store = _s3_store(request)
+    trio.run(store.backend.aclose)
+    server = request.getfixturevalue("s3_server")
+    config = MountConfig(
+        source=parse_source("s3://"), mountpoint="/", s3=S3Options(endpoint_url=server.url)
+    )
+    return _in_account(store, lambda: open_account(config, None), request.getfixturevalue("bucket"))
+
+
+def _azure_account_store(request: pytest.FixtureRequest) -> Store:
+    from objfs.backends.account import AccountBackend, AzureAccount
+    from objfs.backends.azure import AzureBackend
+    from objfs.config import AzureOptions, parse_source
+    from tests.azurite import DEV_ACCOUNT, DEV_KEY
+
+    store = _azure_store(request)
+    trio.run(store.backend.aclose)
+    azurite = request.getfixturevalue("azurite")
+    options = AzureOptions(account_name=DEV_ACCOUNT, account_url=azurite.account_url)
+    env = {"AZURE_STORAGE_KEY": DEV_KEY}
+
+    def account() -> Backend:
+        root = AzureBackend(parse_source("az://"), options, env=env, page_size=store.page_size)
+        return AccountBackend(AzureAccount(root))
+
+    return _in_account(store, account, request.getfixturevalue("container"))
+
+
+@pytest.fixture(params=["memory", "s3", "azure", "s3-account", "azure-account"])
 def store(request: pytest.FixtureRequest) -> Iterator[Store]:
     kind = request.param
-    made = (
-        _memory_store()
-        if kind == "memory"
-        else _s3_store(request)
-        if kind == "s3"
-        else _azure_store(request)
-    )
+    made = {
+        "memory": lambda: _memory_store(),
+        "s3": lambda: _s3_store(request),
+        "azure": lambda: _azure_store(request),
+        "s3-account": lambda: _s3_account_store(request),
+        "azure-account": lambda: _azure_account_store(request),
+    }[kind]()
     yield made
     trio.run(made.backend.aclose)
 
@@ -236,7 +320,7 @@ def test_every_backend_is_covered() -> None:
         for name in os.listdir(os.path.dirname(objfs.backends.__file__))
         if name.endswith(".py") and name not in ("__init__.py", "base.py")
     }
-    assert modules == {"memory", "s3", "azure"}
+    assert modules == {"memory", "s3", "azure", "account"}
 
 
 async def test_azure_read_into_and_stored_bytes(request: pytest.FixtureRequest) -> None:

@@ -53,7 +53,6 @@ def test_every_exit_code_is_documented_in_the_readme() -> None:
     ("source", "code", "words"),
     [
         ("bucket-without-scheme", 3, ["not a URL", "s3://BUCKET"]),
-        ("s3://", 3, ["no bucket name"]),
         ("s3:///prefix", 3, ["no bucket name"]),
         ("s3://a/b", 3, ["not a valid bucket name"]),
         ("s3://bucket/a//b", 3, ["empty, '.' or '..'"]),

@@ -31,16 +31,16 @@ def az(azurite: Any, source: str, mnt: Path, *options: str, **env: str) -> Any:
 @pytest.mark.parametrize(
     ("source", "code", "words"),
     [
-        ("az://", 3, ["no container name", "az://CONTAINER/PREFIX"]),
+        ("az:///models", 3, ["no container name", "az://CONTAINER/PREFIX"]),
         ("az://Models/llama", 3, ["'Models' is not a valid container name", "lowercase"]),
         ("az://ab", 3, ["not a valid container name", "3-63"]),
         ("az://bad--name", 3, ["not a valid container name"]),
         ("az://models/a//b", 3, ["empty, '.' or '..'"]),
         ("azure:///models", 3, ["'' is not a valid storage account name"]),
         ("azure://Account/models", 3, ["'Account' is not a valid storage account name"]),
-        ("azure://acct", 3, ["no container name"]),
+        ("azure://acct//models", 3, ["no container name"]),
         ("https://example.com/models/x", 3, ["Azure blob URL", "s3://"]),
-        ("https://acct.blob.core.windows.net", 3, ["no container name"]),
+        ("https://acct.blob.core.windows.net//models", 3, ["no container name"]),
         ("abfs://models", 4, ["unknown scheme 'abfs'", "az://"]),
     ],
 )

@@ -30,7 +30,7 @@ def test_prefix_with_and_without_slash_is_the_same_directory() -> None:
 
 
 @pytest.mark.parametrize(
-    "text", ["bucket", "s3://", "s3:///x", "s3://ab", "s3://b/a//c", "s3://b/./c", "s3://u:p@bkt"]
+    "text", ["bucket", "s3:///x", "s3://ab", "s3://b/a//c", "s3://b/./c", "s3://u:p@bkt"]
 )
 def test_malformed_source(text: str) -> None:
     with pytest.raises(SourceFormatError):

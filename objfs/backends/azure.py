@@ -39,6 +39,11 @@ for its credentials (401/403) re-reads the files at once and, if they now hold a
 credential, is sent once more: one extra try of the same loop (listings and HEADs: one more
 call of the SDK, whose retry policy never repeats a 403).
 
+Many containers (the account root, :mod:`objfs.backends.account`):
+:meth:`AzureBackend.for_container` makes a backend for another container of the same account
+that shares this one's signing state (:class:`_Auth`: credential, signer, SDK client, replaced
+in place when credentials rotate), its HTTP session and its connection limit.
+
 Secrets never reach a log, an error or a process title: SDK exception texts can hold request
 URLs with SAS signatures, so errors are built from the error code and status only, and the
 SDK's own loggers are limited to warnings.
@@ -48,6 +53,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import datetime as _dt
 import email.utils
 import enum
@@ -74,7 +80,13 @@ from azure.core.exceptions import (
     ServiceRequestError,
     ServiceResponseError,
 )
-from azure.storage.blob import BlobPrefix, BlobProperties, BlobServiceClient, ExponentialRetry
+from azure.storage.blob import (
+    BlobPrefix,
+    BlobProperties,
+    BlobServiceClient,
+    ContainerClient,
+    ExponentialRetry,
+)
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
@@ -514,6 +526,17 @@ def _next_page(pages: Iterator[Iterator[Any]]) -> list[Any] | None:
 # -- the backend -------------------------------------------------------------------------------
 
 
+@dataclass
+class _Auth:
+    """The signing state of one account's backends: replaced field by field (in place) when
+    credentials rotate, so every container's backend made by for_container sees the new
+    one."""
+
+    credential: Any
+    signer: _Signer
+    service: BlobServiceClient
+
+
 class AzureBackend(Backend):
     """One Azure Blob Storage container. ``page_size`` caps a listing page (None: the
     service's 5,000); tests use small pages to exercise continuation."""
@@ -553,15 +576,78 @@ class AzureBackend(Backend):
         self._origin = f"{parsed.scheme}://{parsed.netloc}"
         # The account URL's own path (Azurite: /ACCOUNT), then the container.
         self._container_path = f"{parsed.path.rstrip('/')}/{urllib.parse.quote(self.container)}"
+        self._container_client: tuple[BlobServiceClient, ContainerClient] | None = None
         if credential_watch is not None:
             credential_watch.bind(self._prepare_credentials)
 
+    @property
+    def _credential(self) -> Any:
+        return self._auth.credential
+
+    @property
+    def _signer(self) -> _Signer:
+        return self._auth.signer
+
+    @property
+    def _service(self) -> BlobServiceClient:
+        return self._auth.service
+
+    @property
+    def _container(self) -> ContainerClient:
+        """The SDK's client of this container, made from the current service client."""
+        service = self._auth.service
+        cached = self._container_client
+        if cached is None or cached[0] is not service:
+            cached = (service, service.get_container_client(self.container))
+            self._container_client = cached  # a race makes two equal clients: harmless
+        return cached[1]
+
+    def for_container(self, container: str) -> AzureBackend:
+        """A backend for another container of this account, sharing this one's signing state
+        (rotated credentials included), HTTP session and connection limit. Only this
+        backend's :meth:`aclose` releases what they share."""
+        other = copy.copy(self)
+        other.container = container
+        other._source = Source(scheme="az", bucket=container, prefix="")
+        other.description = f"container {container!r} at {redact_url(self.account_url)}"
+        parsed = urllib.parse.urlsplit(self.account_url)
+        other._container_path = f"{parsed.path.rstrip('/')}/{urllib.parse.quote(container)}"
+        other._container_client = None
+        return other
+
+    async def list_containers(self, *, check: bool = False) -> list[str]:
+        """The names of every container the credentials can list, page by page. ``check``:
+        the pre-mount check's few attempts."""
+        where = redact_url(self.account_url)
+        what = f"listing the containers at {where}"
+        retries: dict[str, Any] = {"retry_total": _CHECK_ATTEMPTS - 1} if check else {}
+        pages = self._service.list_containers(**retries).by_page()
+        names: list[str] = []
+        try:
+            while True:
+                page = await self._call(what, lambda: _next_page(pages))
+                if page is None:
+                    return names
+                names.extend(str(item["name"]) for item in page)
+        except AccessDeniedError as exc:
+            cause = exc.__context__  # the SDK's error (raised "from None": never shown)
+            if not isinstance(cause, HttpResponseError) or self._anonymous:
+                raise
+            code = _error_code(cause)
+            if code in _AUTHENTICATION_CODES or cause.status_code == 401:
+                raise  # the credentials themselves were rejected: that message says so
+            raise AccessDeniedError(
+                f"access denied: {what} ({code or cause.status_code}): the credentials must "
+                "be allowed to list the account's containers (the account key, an account SAS "
+                "with srt=s and sp=l, or a role on the account), or mount one container with "
+                "az://CONTAINER"
+            ) from None
+
     def _use_credentials(self, creds: Credentials) -> None:
         """Sign with ``creds`` from now on: a new signer and SDK client (listings in progress
-        go on with it from their next page)."""
-        self._credential = creds.credential
-        self._signer = _Signer(creds)
-        self._service = BlobServiceClient(
+        go on with it from their next page), for every backend that shares this one's
+        signing state."""
+        service = BlobServiceClient(
             self.account_url,
             credential=creds.credential,
             session=self._session,
@@ -573,7 +659,11 @@ class AzureBackend(Backend):
             connection_data_block_size=_READ_BLOCK_BYTES,
             user_agent="objfs",
         )
-        self._container = self._service.get_container_client(self.container)
+        auth: _Auth | None = getattr(self, "_auth", None)
+        if auth is None:
+            self._auth = _Auth(creds.credential, _Signer(creds), service)
+        else:  # in place: the containers' backends share it
+            auth.credential, auth.signer, auth.service = creds.credential, _Signer(creds), service
 
     # -- rotated credentials -----------------------------------------------------------------
 

@@ -12,6 +12,11 @@ credential providers stay in charge, refreshed credentials included), and
 straight into the memory tier's buffers. Behind a proxy from the environment they take
 botocore's path instead.
 
+Many buckets (the account root, :mod:`objfs.backends.account`): :meth:`S3Backend.for_bucket`
+makes a backend for another bucket that shares this one's session (and so its credentials,
+rotated ones included), its connection limit and its data connections; buckets in one region
+share one client, a bucket in another region gets a client of its own for that region.
+
 Retries: one layer per request. Data GETs: objfs's own loop (``max_attempts`` in all, jittered
 backoff) retries connection failures, throttling and 5xx, short bodies and replies for the
 wrong range. Listings and HEADs: botocore's "standard" mode, with the same ``max_attempts``.
@@ -27,6 +32,7 @@ loop (listings and HEADs: one more call of the SDK, whose retries never repeat a
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import logging
 import os
@@ -77,6 +83,8 @@ _BACKOFF_BASE_S = 0.1
 _BACKOFF_CAP_S = 5.0
 # Attempts for the pre-mount check: fail a bad endpoint in seconds, not after a long backoff.
 _CHECK_ATTEMPTS = 2
+# Buckets per ListBuckets page (AWS's largest).
+_LIST_BUCKETS_PAGE = 10000
 
 _ACCESS_CODES = {"AccessDenied", "AllAccessDisabled", "AccountProblem", "403", "Forbidden"}
 _CREDENTIAL_CODES = {
@@ -199,6 +207,12 @@ class S3Backend(Backend):
         self._session = session
         self._client = self._make_client(session, endpoint, options.max_attempts)
         self._check_client = self._make_client(session, endpoint, _CHECK_ATTEMPTS)
+        #: The region requests are signed for.
+        self.region: str = self._client.meta.region_name
+        # Clients of other regions, shared with the backends for_bucket made (trio thread).
+        self._regional: dict[str, tuple[S3Client, S3Client]] = {
+            self.region: (self._client, self._check_client)
+        }
         self._limiter = trio.CapacityLimiter(options.max_connections)
         # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
         # the CA settings botocore would use.
@@ -243,7 +257,11 @@ class S3Backend(Backend):
         return code in _AUTH_RETRY_CODES or status in _AUTH_RETRY_STATUSES
 
     def _make_client(
-        self, session: boto3.session.Session, endpoint: str | None, attempts: int
+        self,
+        session: boto3.session.Session,
+        endpoint: str | None,
+        attempts: int,
+        region: str | None = None,
     ) -> S3Client:
         opts = self.options
         config_kwargs: dict[str, Any] = {
@@ -257,7 +275,8 @@ class S3Backend(Backend):
         }
         if opts.no_sign_request:
             config_kwargs["signature_version"] = UNSIGNED
-        region = opts.region or session.region_name or ("us-east-1" if endpoint else None)
+        if region is None:
+            region = opts.region or session.region_name or ("us-east-1" if endpoint else None)
         verify: str | None = opts.ca_bundle  # None: botocore's default (AWS_CA_BUNDLE or certifi)
         try:
             client: S3Client = session.client(
@@ -273,6 +292,81 @@ class S3Backend(Backend):
                 "give it as http(s)://HOST[:PORT]"
             ) from None
         return client
+
+    # -- other buckets (the account root) ------------------------------------------------
+
+    def for_bucket(self, bucket: str, region: str | None = None) -> S3Backend:
+        """A backend for ``bucket`` that shares this one's session, credentials, connection
+        limit and data connections, signing for ``region`` (None: this backend's region).
+        Call on the trio thread; only this backend's :meth:`aclose` releases what they
+        share."""
+        other = copy.copy(self)
+        other.bucket = bucket
+        where = redact_url(self.endpoint) if self.endpoint else "AWS"
+        other.description = f"s3://{bucket} at {where}"
+        if region is not None and region != self.region:
+            clients = self._regional.get(region)
+            if clients is None:
+                clients = (
+                    self._make_client(
+                        self._session, self.endpoint, self.options.max_attempts, region
+                    ),
+                    self._make_client(self._session, self.endpoint, _CHECK_ATTEMPTS, region),
+                )
+                self._regional[region] = clients
+            other._client, other._check_client = clients
+            other.region = region
+        return other
+
+    async def list_buckets(self, *, check: bool = False) -> list[tuple[str, str | None]]:
+        """Every bucket the credentials can list (ListBuckets, page by page), with its region
+        where the store tells it (AWS does for a paginated request), else None. ``check``:
+        the pre-mount check's few attempts. AccessDenied says to grant s3:ListAllMyBuckets."""
+        client = self._check_client if check else self._client
+        where = redact_url(self.endpoint) if self.endpoint else "AWS"
+        what = f"listing the buckets at {where}"
+        found: list[tuple[str, str | None]] = []
+        token: str | None = None
+        while True:
+            # MaxBuckets makes the request paginated: AWS then names each bucket's region (and
+            # refuses unpaginated ones for accounts allowed more than 10,000 buckets).
+            kwargs: dict[str, Any] = {"MaxBuckets": _LIST_BUCKETS_PAGE}
+            if token:
+                kwargs["ContinuationToken"] = token
+            try:
+                resp = await self._call(what, client.list_buckets, **kwargs)
+            except AccessDeniedError as exc:
+                code = _client_error_code(exc.__cause__)
+                if code in _CREDENTIAL_CODES:
+                    raise
+                raise AccessDeniedError(
+                    f"access denied: {what} ({code or 403}): grant s3:ListAllMyBuckets to "
+                    "these credentials, or mount one bucket with s3://BUCKET"
+                ) from None
+            for entry in resp.get("Buckets", ()):
+                region = entry.get("BucketRegion")
+                found.append((str(entry["Name"]), str(region) if region else None))
+            token = resp.get("ContinuationToken")
+            if not token:
+                return found
+
+    async def bucket_region(self) -> str | None:
+        """The region the store says this bucket is in (HeadBucket's x-amz-bucket-region,
+        sent with refusals and redirects too), or None when it does not say (most
+        S3-compatible stores, a failed request). One request."""
+
+        def head() -> str | None:
+            try:
+                resp: Any = self._check_client.head_bucket(Bucket=self.bucket)
+            except botocore.exceptions.ClientError as exc:
+                resp = exc.response
+            except Exception:
+                return None
+            headers = resp.get("ResponseMetadata", {}).get("HTTPHeaders", {})
+            region = headers.get("x-amz-bucket-region")
+            return str(region) if region else None
+
+        return await trio.to_thread.run_sync(head, limiter=self._limiter)
 
     # -- error mapping ---------------------------------------------------------------------
 
@@ -513,6 +607,13 @@ class S3Backend(Backend):
 def _backoff_s(retry: int) -> float:
     """Sleep before retry ``retry`` (from 0): full jitter, capped."""
     return random.uniform(0.0, min(_BACKOFF_CAP_S, _BACKOFF_BASE_S * 2**retry))
+
+
+def _client_error_code(exc: BaseException | None) -> str:
+    """The error code of a botocore ClientError, else ""."""
+    if isinstance(exc, botocore.exceptions.ClientError):
+        return str(exc.response.get("Error", {}).get("Code", ""))
+    return ""
 
 
 def _error_code(body: bytes) -> str:
