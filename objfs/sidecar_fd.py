@@ -56,7 +56,7 @@ from types import FrameType
 from typing import Any
 
 from objfs import fdpass
-from objfs.errors import UsageError
+from objfs.errors import DaemonNotAnsweringError, UsageError
 from objfs.mount import setup_logging
 
 log = logging.getLogger("objfs.sidecar")
@@ -64,6 +64,7 @@ log = logging.getLogger("objfs.sidecar")
 #: Environment variable naming where state files go (default: the fd dir itself).
 STATE_DIR_ENV = "OBJFS_STATE_DIR"
 STATUS_FILE = ".objfs-sidecar.json"
+STATUS_KIND = "fd-sidecar"
 READY_FILE = ".ready"
 RUN_DIR = ".objfs-run"
 #: How long a stopped child may take to exit before it is killed.
@@ -304,7 +305,7 @@ class FdSidecar:
         for line in lines:
             text = line.decode("utf-8", "replace").strip()
             if text.startswith(("objfs: error:", "objfs: internal error:")):
-                child.error = text.removeprefix("objfs: ")
+                child.error = text.removeprefix("objfs: ").removeprefix("error:").strip()
 
     # -- sockets -----------------------------------------------------------------------------
 
@@ -373,11 +374,22 @@ class FdSidecar:
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         env["OBJFS_RUNTIME_DIR"] = run_dir
         fd = offer.detach_fd()
-        cmd = [sys.executable, "-m", "objfs", "mount", offer.source, f"/dev/fd/{fd}", *argv]
+        cmd = [
+            sys.executable or "python3",
+            "-m",
+            "objfs",
+            "mount",
+            offer.source,
+            f"/dev/fd/{fd}",
+            *argv,
+        ]
         try:
             os.makedirs(run_dir, mode=0o700)
             proc = subprocess.Popen(
                 [*cmd, "--foreground"],
+                # This very interpreter, even where its path is not searchable by this uid
+                # (exec of the magic link skips the path); argv[0] keeps the virtualenv.
+                executable="/proc/self/exe" if os.path.exists("/proc/self/exe") else None,
                 pass_fds=(fd,),
                 stdin=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -568,6 +580,7 @@ class FdSidecar:
                 "offers_taken": volume.taken,
             }
         data = {
+            "kind": STATUS_KIND,
             "format": 1,
             "pid": os.getpid(),
             "fd_dir": self.fd_dir,
@@ -610,6 +623,72 @@ def _check_dir(path: str, what: str) -> str:
             "run the sidecar as a user that can write it"
         )
     return path
+
+
+def state_status_file(path: str) -> str | None:
+    """The sidecar's status file if ``path`` is its fd dir (or state dir), else None.
+
+    Only for a path that is not a FUSE mount: looking inside one could hang.
+    """
+    file = os.path.join(path, STATUS_FILE)
+    return file if os.path.isfile(file) else None
+
+
+def read_fd_sidecar_status(path: str, status_file: str, max_age_s: float) -> dict[str, Any]:
+    """``objfs status DIR`` for an fd dir: the sidecar's figures.
+
+    Raises DaemonNotAnsweringError (18) if the sidecar is gone or silent for ``max_age_s``,
+    or if a volume offered to it is not served (``--probe`` fails until every one serves).
+    """
+    try:
+        with open(status_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DaemonNotAnsweringError(f"cannot read {status_file}: {exc}") from None
+    if not isinstance(data, dict) or data.get("kind") != STATUS_KIND:
+        raise DaemonNotAnsweringError(f"{status_file} is not an objfs sidecar's status file")
+    pid = int(data.get("pid", 0))
+    alive = pid > 0
+    if alive:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            alive = False
+        except PermissionError:
+            pass
+    if not alive:
+        raise DaemonNotAnsweringError(f"the objfs sidecar serving {path} (pid {pid}) is gone")
+    age = time.time() - float(data.get("updated_at", 0))
+    if age > max_age_s:
+        raise DaemonNotAnsweringError(
+            f"the objfs sidecar serving {path} (pid {pid}) has not reported for {age:.0f} s: "
+            "it hangs or is stopped"
+        )
+    if not data.get("ready"):
+        pending = [
+            f"{name} ({v.get('state')}" + (f": {v['error']}" if v.get("error") else "") + ")"
+            for name, v in sorted(dict(data.get("volumes", {})).items())
+            if v.get("state") not in ("serving", "idle")
+        ]
+        raise DaemonNotAnsweringError(
+            f"the objfs sidecar in {path} does not serve every volume yet: "
+            + (", ".join(pending) or "starting")
+        )
+    return data
+
+
+def format_fd_sidecar_status(s: dict[str, Any]) -> str:
+    lines = [f"{s['fd_dir']}: objfs sidecar, pid {s['pid']}, {len(s['volumes'])} volumes"]
+    for name, v in sorted(s["volumes"].items()):
+        line = f"  {name:<20} {v.get('state')}"
+        if v.get("source"):
+            line += f"  {v['source']}"
+        if v.get("pid"):
+            line += f"  (pid {v['pid']})"
+        if v.get("error"):
+            line += f"  {v['error']}"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def run_fd_sidecar(fd_dir: str) -> int:

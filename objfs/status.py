@@ -1,5 +1,9 @@
 """``objfs status MOUNTPOINT``: the live figures of a mount, for a person or a probe.
 
+Given the fd dir of ``objfs sidecar --fd-dir`` instead, it reads the sidecar's own status file
+(see :mod:`objfs.sidecar_fd`): ``--probe`` then passes while the sidecar runs and serves every
+volume offered to it.
+
 It reads the status file the daemon rewrites every second (see :mod:`objfs.metrics`) and the
 kernel's mount table; it never touches the mount itself, so it answers while the mount hangs.
 """
@@ -41,6 +45,13 @@ def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str,
     mounted there, DaemonNotAnsweringError (18) if no live objfs daemon reports on it."""
     mountpoint = _resolve(path)
     entry = mount_entry(mountpoint)
+    if entry is None or not entry[0].startswith("fuse"):
+        # The fd dir of `objfs sidecar --fd-dir` (an emptyDir, maybe tmpfs): its own file.
+        from objfs.sidecar_fd import read_fd_sidecar_status, state_status_file
+
+        sidecar_file = state_status_file(mountpoint)
+        if sidecar_file is not None:
+            return read_fd_sidecar_status(path, sidecar_file, max_age_s)
     if entry is None:
         raise NotMountedError(f"{path} is not mounted")
     if entry[0] != "fuse.objfs":
@@ -104,6 +115,10 @@ def _rate(hits: int, misses: int) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """A few aligned lines for a person."""
+    from objfs.sidecar_fd import STATUS_KIND, format_fd_sidecar_status
+
+    if s.get("kind") == STATUS_KIND:
+        return format_fd_sidecar_status(s)
     store, memory, disk = s["store"], s["memory"], s.get("disk")
     rates = s.get("rates") or {}
     window = float(rates.get("window_s", 0.0))
