@@ -1,0 +1,254 @@
+"""What a CSI volume asks for: ``volume_context`` checked and turned into ``objfs mount`` options.
+
+A volume's attributes (``volumeAttributes`` of an inline CSI volume or of a static
+PersistentVolume) are:
+
+* ``source``: the SOURCE of ``objfs mount`` (``s3://BUCKET/PREFIX``, ``az://...``, ...);
+* any long option of ``objfs mount`` without its dashes (``endpoint-url``, ``region``,
+  ``metadata-ttl``, ``cache-size``, ...), the value as a string; a flag takes ``"true"`` or
+  ``"false"``. The set is read from the ``mount`` command's parser, so it follows the command;
+  options that mean nothing here (:data:`NOT_HERE`) are refused with the reason;
+* the kubelet's pod-info keys (``csi.storage.k8s.io/pod.uid``, ...; :data:`POD_INFO_KEYS`).
+
+Invariants: credentials never travel in volume attributes. A key that looks like one
+(:data:`_CREDENTIAL_LIKE`), other than the two file-path options ``credentials-file`` and
+``sas-token-file`` (absolute paths inside the sidecar's container), is refused; so are URLs
+with a user, password or query string. Error messages name the key, never its value. The kubelet's
+``serviceAccount.tokens`` is accepted (the kubelet sends it when the CSIDriver asks for tokens)
+and dropped here: it reaches neither the sidecar, nor the state files, nor any log. Checking
+never contacts the store: it runs the ``mount`` command's own argument parsing and value
+checks over the options (all local).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from objfs.config import MountConfig
+from objfs.errors import ObjfsError
+
+#: The kubelet adds these when the CSIDriver sets ``podInfoOnMount`` (and, for the token,
+#: ``tokenRequests``); ``ephemeral`` marks inline volumes.
+POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
+POD_INFO_KEYS = frozenset(
+    {
+        "csi.storage.k8s.io/pod.name",
+        "csi.storage.k8s.io/pod.namespace",
+        POD_UID_KEY,
+        "csi.storage.k8s.io/serviceAccount.name",
+        "csi.storage.k8s.io/ephemeral",
+        "csi.storage.k8s.io/serviceAccount.tokens",
+    }
+)
+
+#: ``objfs mount`` options that a volume cannot set, and why.
+NOT_HERE = {
+    "help": "it is not a mount option",
+    "foreground": "the sidecar always serves in the foreground",
+    "daemon-ready-fd": "it is internal to objfs",
+    "log-file": "the sidecar logs to its stderr (kubectl logs)",
+    "allow-other": "the node plugin always mounts with allow_other (the pod's containers run "
+    "as other users than the sidecar)",
+}
+
+#: Options whose value is a path inside the sidecar's container: it must be absolute.
+PATH_OPTIONS = frozenset({"credentials-file", "sas-token-file", "ca-bundle", "cache-dir"})
+#: Options whose value is a URL: no user, password or query string (a SAS token) in it.
+URL_OPTIONS = frozenset({"endpoint-url", "account-url"})
+
+_CREDENTIAL_LIKE = re.compile(
+    r"secret|passw|token|\bsas\b|sas[-_.]|credential|connection[-_.]?string|account[-_.]?key"
+    r"|access[-_.]?key|private[-_.]?key|api[-_.]?key|auth|session|signature|\bsig\b|\bkey\b",
+    re.IGNORECASE,
+)
+_FLAG_VALUES = {"true": True, "false": False}
+_POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
+
+
+class VolumeContextError(Exception):
+    """A volume attribute is wrong; ``str()`` is the one-line message for the kubelet."""
+
+
+@dataclass(frozen=True)
+class VolumeSpec:
+    """A checked volume: what the sidecar gets (``source``, ``options``) and the pod it serves.
+
+    ``options`` maps ``objfs mount`` long options without dashes to string values, flags to
+    ``"true"`` (a flag given ``"false"`` is left out, or becomes ``no-X`` where the option has
+    one); it holds no credential.
+    """
+
+    source: str
+    options: dict[str, str]
+    pod_uid: str
+    fsname: str
+    #: What ``objfs mount`` would run with (its mountpoint: the target), for kernel tuning.
+    config: MountConfig = field(compare=False, repr=False)
+
+    def identity(self) -> dict[str, Any]:
+        """What must match for a repeated publish to be the same one (no pod-info noise)."""
+        return {"source": self.source, "options": dict(sorted(self.options.items()))}
+
+
+@functools.cache
+def _mount_parser() -> argparse.ArgumentParser:
+    from objfs.cli import build_parser
+
+    parser = build_parser()
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            mount: argparse.ArgumentParser = action.choices["mount"]
+            return mount
+    raise AssertionError("the objfs parser has no mount command")
+
+
+@functools.cache
+def mount_options() -> dict[str, argparse.Action]:
+    """Every long option of ``objfs mount`` without dashes (``no-X`` forms included)."""
+    found = {}
+    for action in _mount_parser()._actions:
+        for option in action.option_strings:
+            if option.startswith("--"):
+                found[option[2:]] = action
+    return found
+
+
+def _is_flag(action: argparse.Action) -> bool:
+    return action.nargs == 0
+
+
+def _check_value(key: str, value: str) -> None:
+    if "\n" in value or "\0" in value:
+        raise VolumeContextError(f"volume attribute {key!r}: the value has a line break or NUL")
+    if key in PATH_OPTIONS and not os.path.isabs(value):
+        raise VolumeContextError(
+            f"volume attribute {key!r} must be an absolute path inside the objfs sidecar's "
+            "container (e.g. a Secret volume mounted into the sidecar)"
+        )
+    if key in URL_OPTIONS:
+        parts = urlsplit(value)
+        if parts.username or parts.password or parts.query:
+            raise VolumeContextError(
+                f"volume attribute {key!r}: the URL carries a user, password or query string; "
+                "credentials never travel in volume attributes: give them to the objfs sidecar "
+                "(its service account identity, or a Secret mounted into it and credentials-file "
+                "or sas-token-file)"
+            )
+
+
+def _refuse_credential(key: str) -> VolumeContextError:
+    return VolumeContextError(
+        f"volume attribute {key!r} looks like a credential: credentials never travel in volume "
+        "attributes; give them to the objfs sidecar instead (its service account identity, or "
+        "a Secret mounted into it and the credentials-file or sas-token-file attribute with "
+        "its path)"
+    )
+
+
+def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpec:
+    """Checks ``context`` and returns the volume it describes; raises VolumeContextError."""
+    known = mount_options()
+    options: dict[str, str] = {}
+    for key in sorted(context):
+        value = context[key]
+        if key == "source" or key in POD_INFO_KEYS:
+            continue
+        if key in NOT_HERE:
+            raise VolumeContextError(
+                f"volume attribute {key!r} cannot be set on a CSI volume: {NOT_HERE[key]}"
+            )
+        action = known.get(key)
+        if action is None:
+            if _CREDENTIAL_LIKE.search(key):
+                raise _refuse_credential(key)
+            raise VolumeContextError(
+                f"unknown volume attribute {key!r}: give 'source' and `objfs mount` long options "
+                "without dashes (e.g. endpoint-url, region, metadata-ttl); see `objfs mount --help`"
+            )
+        if _is_flag(action):
+            flag = _FLAG_VALUES.get(value.strip().lower())
+            if flag is None:
+                raise VolumeContextError(
+                    f'volume attribute {key!r} is a flag: give "true" or "false"'
+                )
+            if flag:
+                options[key] = "true"
+            elif isinstance(action, argparse.BooleanOptionalAction):
+                # --force-path-style / --no-force-path-style: "false" is the other one.
+                options[key[3:] if key.startswith("no-") else f"no-{key}"] = "true"
+            continue
+        _check_value(key, value)
+        options[key] = value
+    for key in list(options):
+        other = key[3:] if key.startswith("no-") else f"no-{key}"
+        if other in options:
+            raise VolumeContextError(f"volume attributes {key!r} and {other!r} contradict")
+
+    source = context.get("source", "").strip()
+    if not source:
+        raise VolumeContextError(
+            "volume attribute 'source' is missing: give the bucket or container to mount, e.g. "
+            "s3://BUCKET/PREFIX or az://CONTAINER/PREFIX"
+        )
+    pod_uid = context.get(POD_UID_KEY, "")
+    if not pod_uid:
+        raise VolumeContextError(
+            f"volume context has no {POD_UID_KEY}: set podInfoOnMount: true in the objfs "
+            "CSIDriver object (the node plugin needs the pod to find its objfs-fd volume)"
+        )
+    if not _POD_UID.fullmatch(pod_uid):
+        raise VolumeContextError(f"{POD_UID_KEY} is not a pod UID")
+
+    argv = [source, target_path]
+    for key, value in options.items():
+        # --key=value: a value that starts with a dash stays a value.
+        argv.append(f"--{key}" if _is_flag(known[key]) else f"--{key}={value}")
+    config = _check_mount_argv(argv)
+    return VolumeSpec(
+        source=source,
+        options=options,
+        pod_uid=pod_uid,
+        fsname=config.source.url(),
+        config=config,
+    )
+
+
+class _ParseError(Exception):
+    pass
+
+
+_PARSER_LOCK = threading.Lock()
+
+
+def _check_mount_argv(argv: list[str]) -> MountConfig:
+    """Runs ``objfs mount``'s parsing and value checks over ``argv``; returns its MountConfig."""
+    from objfs.cli import _mount_config
+
+    parser = _mount_parser()
+
+    def error(message: str) -> Any:
+        raise _ParseError(message)
+
+    try:
+        with _PARSER_LOCK:
+            # argparse reports through parser.error (which exits); make it raise instead. The
+            # parser is this module's own copy, only ever used here.
+            parser.error = error  # type: ignore[method-assign]
+            args = parser.parse_args(argv)
+    except _ParseError as exc:
+        message = str(exc).replace("--", "")
+        raise VolumeContextError(f"volume attributes: {message}") from None
+    # A file inside the sidecar's container: the node plugin cannot read it (and must not).
+    args.credentials_file = None
+    try:
+        return _mount_config(args)
+    except ObjfsError as exc:
+        message = str(exc).replace("--", "")
+        raise VolumeContextError(f"volume attributes: {message}") from None
