@@ -712,3 +712,26 @@ def test_csi_node_plugin_fits_together() -> None:
         assert security["allowPrivilegeEscalation"] is False
         assert security["capabilities"] == {"drop": ["ALL"]}
         assert security["readOnlyRootFilesystem"] is True
+
+
+def test_readme_pod_snippet_matches_the_example() -> None:
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Kubernetes\n") :]
+    section = section[: section.index("\n## ", 1)]
+    (snippet,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
+    pod = yaml.safe_load(snippet)
+    spec = find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"]
+    (objfs,) = pod["initContainers"]
+    (example,) = spec["initContainers"]
+    for key in ("args", "restartPolicy", "securityContext"):
+        assert objfs[key] == example[key], key
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert volumes["objfs-fd"] == {"emptyDir": {"sizeLimit": "16Mi"}, "name": "objfs-fd"}
+    assert volumes["models"]["csi"]["driver"] == csi_driver()["metadata"]["name"]
+    check_volume_attributes(volumes["models"]["csi"]["volumeAttributes"])
+    (vllm,) = pod["containers"]
+    assert mount_of(vllm, "models")["mountPropagation"] == "HostToContainer"
+    # Every CSI manifest is named in the section.
+    for path in MANIFESTS:
+        if path.is_relative_to(K8S / "csi"):
+            assert path.name in section, path.name
