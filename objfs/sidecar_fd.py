@@ -9,7 +9,9 @@ session per process).
 Invariants:
 
 * at most one child per socket; a socket whose file disappears (the volume was unpublished)
-  or is replaced gets its child stopped;
+  gets its child stopped. A socket bound anew under the same name (a restarted node plugin)
+  leaves a serving child alone, and a child's answer is due before the node plugin stops
+  waiting for it (:data:`_READY_TIMEOUT_S`);
 * an fd is owned by exactly one of: the :class:`~objfs.fdpass.Offer` (until the child is
   spawned), the child (this process closes its copy right after spawning, so the mount's
   connection ends when the child does);
@@ -47,6 +49,7 @@ import os
 import selectors
 import shutil
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -78,8 +81,9 @@ _BACKOFF_MIN_S = 1.0
 _BACKOFF_MAX_S = 30.0
 # A child that served this long before it died restarts without backoff.
 _HEALTHY_AFTER_S = 60.0
-# How long a child may take to serve (its own store check gives up well before).
-_READY_TIMEOUT_S = 180.0
+# How long a child may take to serve: below the node plugin's wait for an answer (60 s), so
+# that a child never serves an fd the node plugin still holds.
+_READY_TIMEOUT_S = 55.0
 _STATUS_INTERVAL_S = 1.0
 # Options an offer may not set: the sidecar decides them.
 _REFUSED_OPTIONS = {"foreground", "daemon-ready-fd", "help"}
@@ -198,7 +202,6 @@ class _Volume:
 
     name: str
     path: str
-    ident: tuple[int, int]
     child: _Child | None = None
     next_try: float = 0.0
     backoff: float = _BACKOFF_MIN_S
@@ -209,19 +212,20 @@ class _Volume:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _socket_ident(path: str) -> tuple[int, int] | None:
+def _is_socket(path: str) -> bool:
     try:
-        st = os.lstat(path)
+        return stat.S_ISSOCK(os.lstat(path).st_mode)
     except OSError:
-        return None
-    if not stat.S_ISSOCK(st.st_mode):
-        return None
-    return (st.st_dev, st.st_ino)
+        return False
 
 
 class FdSidecar:
-    def __init__(self, fd_dir: str, state_dir: str) -> None:
+    def __init__(
+        self, fd_dir: str, state_dir: str, log_level: str = "info", log_format: str = "text"
+    ) -> None:
         self.fd_dir = fd_dir
+        # The children log like this process unless an offer says otherwise.
+        self.log_defaults = {"log-level": log_level, "log-format": log_format}
         self.state_dir = state_dir
         self.run_root = os.path.join(state_dir, RUN_DIR)
         self.volumes: dict[str, _Volume] = {}
@@ -310,28 +314,27 @@ class FdSidecar:
     # -- sockets -----------------------------------------------------------------------------
 
     def _scan(self) -> None:
-        present: dict[str, tuple[int, int]] = {}
+        present: set[str] = set()
         try:
             names = os.listdir(self.fd_dir)
         except OSError as exc:
             log.warning("cannot list %s: %s", self.fd_dir, exc.strerror)
             return
         for name in sorted(names):
-            if name.endswith(".sock"):
-                ident = _socket_ident(os.path.join(self.fd_dir, name))
-                if ident is not None:
-                    present[name] = ident
+            if name.endswith(".sock") and _is_socket(os.path.join(self.fd_dir, name)):
+                present.add(name)
         for name, volume in list(self.volumes.items()):
-            if present.get(name) != volume.ident:
+            # Only a removed socket stops its child. A socket bound anew under the same name
+            # (a restarted node plugin listens again) leaves a serving child alone: replacing
+            # the mount would cut off containers the new mount does not propagate to.
+            if name not in present:
                 if volume.child is not None:
                     log.info("%s was removed: stopping the mount it served", name)
                     self._stop_child(volume.child)
                 del self.volumes[name]
         now = time.monotonic()
-        for name, ident in present.items():
-            volume = self.volumes.setdefault(
-                name, _Volume(name, os.path.join(self.fd_dir, name), ident)
-            )
+        for name in sorted(present):
+            volume = self.volumes.setdefault(name, _Volume(name, os.path.join(self.fd_dir, name)))
             if volume.child is None and now >= volume.next_try and not self.stop_requested:
                 self._take(volume)
 
@@ -359,7 +362,7 @@ class FdSidecar:
             "target_path": str(offer.payload.get("target_path", "")),
         }
         try:
-            argv = mount_arguments(offer.source, offer.options)
+            argv = mount_arguments(offer.source, {**self.log_defaults, **offer.options})
         except UsageError as exc:
             offer.fail(str(exc))
             offer.close()
@@ -466,8 +469,13 @@ class FdSidecar:
                         log.info(
                             "%s: serving %s (pid %d)", child.name, child.source, child.proc.pid
                         )
-                    elif now - child.started_at > _READY_TIMEOUT_S:
-                        message = f"objfs did not serve within {_READY_TIMEOUT_S:.0f} s"
+                    elif now - child.started_at > _READY_TIMEOUT_S or _hung_up(child.offer):
+                        message = (
+                            f"objfs did not serve within {_READY_TIMEOUT_S:.0f} s (is the store "
+                            "reachable?)"
+                            if now - child.started_at > _READY_TIMEOUT_S
+                            else "the node plugin stopped waiting for this sidecar's answer"
+                        )
                         child.offer.fail(message)
                         self._stop_child(child)
                         if volume is not None:
@@ -599,6 +607,16 @@ class FdSidecar:
             os.unlink(path)
 
 
+def _hung_up(offer: fdpass.Offer) -> bool:
+    """True if the node plugin closed the connection (it gave up waiting for an answer)."""
+    try:
+        return offer.conn.recv(1, socket.MSG_DONTWAIT | socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
 def _signame(signum: int) -> str:
     try:
         return signal.Signals(signum).name
@@ -702,4 +720,4 @@ def run_fd_sidecar(fd_dir: str) -> int:
     fd_dir = _check_dir(fd_dir, "--fd-dir")
     state_dir = _check_dir(os.environ.get(STATE_DIR_ENV) or fd_dir, STATE_DIR_ENV)
     setup_logging(level, None, daemon=False, log_format=log_format)
-    return FdSidecar(fd_dir, state_dir).run()
+    return FdSidecar(fd_dir, state_dir, level, log_format).run()

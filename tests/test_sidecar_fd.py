@@ -100,13 +100,24 @@ class FakeNodePlugin:
         self.fd: int | None = fuse_mount(self.target)
         self.stale = False
         self.stop = threading.Event()
-        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.listener.bind(self.sock_path)
-        os.chmod(self.sock_path, 0o666)
-        self.listener.listen(4)
-        self.listener.settimeout(0.2)
+        self.listener = self._listen()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
+
+    def _listen(self) -> socket.socket:
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.sock_path)
+        listener.bind(self.sock_path)
+        os.chmod(self.sock_path, 0o666)
+        listener.listen(4)
+        listener.settimeout(0.2)
+        return listener
+
+    def rebind(self) -> None:
+        """What a restarted node plugin does: bind the same socket name anew."""
+        old, self.listener = self.listener, self._listen()
+        old.close()
 
     def _run(self) -> None:
         while not self.stop.is_set():
@@ -115,7 +126,7 @@ class FakeNodePlugin:
             except TimeoutError:
                 continue
             except OSError:
-                return
+                continue  # rebound, or closed on the way out
             with conn:
                 self._offer(conn)
 
@@ -318,6 +329,14 @@ def test_serves_an_offered_fd_byte_exact_with_no_privileges(env: Env, s3: Any, b
     assert status["volumes"]["vol.sock"]["state"] == "serving"
     assert status["volumes"]["vol.sock"]["source"] == f"s3://{bucket}/models"
     assert run_objfs("status", "--probe", str(env.fd_dir)).returncode == 0
+    assert "serving" in run_objfs("status", str(env.fd_dir)).stdout
+
+    # A restarted node plugin binds the socket anew: the serving child is left alone.
+    node.rebind()
+    time.sleep(2)
+    assert [c.pid for c in psutil.Process(sidecar.pid).children()] == [children[0].pid]
+    assert sha256(read_file(f"{node.target}/m/weights.bin")[1]) == sha256(big)
+    assert node.replies == [None]
 
 
 def test_two_volumes_at_once_and_sigterm_stops_both(env: Env, s3: Any, bucket: str) -> None:
