@@ -116,10 +116,7 @@ def mount_arguments(source: str, options: dict[str, str]) -> list[str]:
     actions: dict[str, argparse.Action] = {}
     for action in mount._actions:
         for flag in action.option_strings:
-            negative = isinstance(action, argparse.BooleanOptionalAction) and flag.startswith(
-                "--no-"
-            )
-            if flag.startswith("--") and not negative:  # --no-x comes as x=false
+            if flag.startswith("--"):  # --x and --no-x of a BooleanOptionalAction both
                 actions[flag[2:]] = action
     argv: list[str] = []
     for key, value in sorted(options.items()):
@@ -137,8 +134,8 @@ def mount_arguments(source: str, options: dict[str, str]) -> list[str]:
             if truth in ("true", "1", "yes", "on"):
                 argv.append(f"--{key}")
             elif truth in ("false", "0", "no", "off"):
-                if isinstance(action, argparse.BooleanOptionalAction):
-                    argv.append(f"--no-{key}")
+                if isinstance(action, argparse.BooleanOptionalAction):  # the other form
+                    argv.append("--" + (key[3:] if key.startswith("no-") else f"no-{key}"))
             else:
                 raise UsageError(f"option {key!r} is a flag: give true or false")
         else:

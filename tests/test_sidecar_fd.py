@@ -480,24 +480,25 @@ def test_mount_arguments_follow_objfs_mount() -> None:
         "s3://b/p",
         {
             "region": "eu-west-1",
-            "no-sign-request": "true",
-            "force-path-style": "false",
+            "no-force-path-style": "true",
             "allow-other": "false",
+            "no-sign-request": "false",
             "cache-dir": "-odd",
             "csi.storage.k8s.io/pod.uid": "1234",
         },
     )
+    assert mount_arguments("s3://b/p", {"force-path-style": "false"}) == ["--no-force-path-style"]
+    assert mount_arguments("s3://b/p", {"no-force-path-style": "false"}) == ["--force-path-style"]
+    assert mount_arguments("s3://b/p", {"no-sign-request": "true"}) == ["--no-sign-request"]
     assert argv == [
         "--cache-dir=-odd",
         "--no-force-path-style",
-        "--no-sign-request",
         "--region=eu-west-1",
     ]
     for bad, message in (
         ({"bogus": "1"}, "unknown option"),
         ({"foreground": "true"}, "unknown option"),
         ({"daemon-ready-fd": "3"}, "unknown option"),
-        ({"no-force-path-style": "true"}, "unknown option"),
         ({"allow-other": "perhaps"}, "is a flag"),
         ({"log-level": "loud"}, "invalid choice"),
         ({"max-connections": "many"}, "invalid int"),
