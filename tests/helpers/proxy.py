@@ -16,6 +16,8 @@ It sits between objfs (or any client) and a real object-store server on 127.0.0.
   smaller than the body, so the rest poisons the connection), ``wrong_range`` (a Content-Range
   that names other bytes than those asked for) and ``bad_xml`` (a 200 whose XML body is cut
   in half); ``refuse(True)`` resets every new connection until ``refuse(False)``.
+* answers: ``answer(Answer(...))`` makes the proxy reply itself to every request an
+  :class:`Answer` matches (e.g. a 403 for one bucket's paths), the server never seeing it.
 
 Threads, not async: one pair per connection keeps it simple and independent of the code under
 test. Only loopback addresses are used.
@@ -31,6 +33,7 @@ import struct
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 _CHUNK = 256 * 1024
@@ -110,6 +113,23 @@ class FaultPlan:
 
 
 @dataclass
+class Answer:
+    """A reply the proxy sends itself to every request that ``matches`` (no body for HEAD)."""
+
+    matches: Callable[[Request], bool]
+    status: str  # "403 Forbidden"
+    headers: dict[str, str] = field(default_factory=dict)
+    body: bytes = b""
+
+    def reply(self, request: Request) -> bytes:
+        head = f"HTTP/1.1 {self.status}\r\n" + "".join(
+            f"{name}: {value}\r\n" for name, value in self.headers.items()
+        )
+        body = b"" if request.method == "HEAD" else self.body
+        return (head + f"Content-Length: {len(self.body)}\r\n\r\n").encode("latin-1") + body
+
+
+@dataclass
 class _Conn:
     """What the response pump must do to the response now on its way."""
 
@@ -142,12 +162,26 @@ class Proxy:
         self._matching = itertools.count(1)
         self._refusing = False
         self.injected: Counter[str] = Counter()  # faults injected, by kind
+        self._answers: list[Answer] = []
 
     def set_faults(self, plan: FaultPlan | None) -> None:
         """Start (or, with None, stop) breaking responses."""
         with self._lock:
             self._plan = plan
             self._matching = itertools.count(1)
+
+    def answer(self, answer: Answer | None) -> None:
+        """Reply with ``answer`` to the requests it matches (None: stop answering)."""
+        with self._lock:
+            self._answers = [] if answer is None else [*self._answers, answer]
+
+    def _answer_for(self, request: Request) -> Answer | None:
+        with self._lock:
+            for answer in self._answers:
+                if answer.matches(request):
+                    self.injected["answered"] += 1
+                    return answer
+        return None
 
     def refuse(self, on: bool) -> None:
         """Reset every new connection while ``on``."""
@@ -250,6 +284,7 @@ class Proxy:
                     break
                 buf += data
                 fault: str | None = None
+                answered: bytes | None = None
                 # Parse complete request heads out of the stream; skip bodies.
                 while True:
                     if body_left:
@@ -268,6 +303,11 @@ class Proxy:
                         body_left = int(request.headers.get("content-length", "0") or 0)
                         fault = self._fault_for(request)
                         conn.request = request
+                        answer = self._answer_for(request)
+                        answered = None if answer is None else answer.reply(request)
+                if answered is not None and not buf and not body_left:
+                    client.sendall(answered)  # the server never sees this request
+                    continue
                 if fault in _SYNTHETIC and not buf and not body_left:
                     # Answer it here; the server never sees this request.
                     status, body = _SYNTHETIC[fault]
