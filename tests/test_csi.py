@@ -1,0 +1,691 @@
+"""``objfs csi``, the CSI node plugin, driven by a fake kubelet (a gRPC client over the same
+messages) with real mounts, against the moto S3 server.
+
+The plugin runs as ``python -m objfs csi`` in a child with a kubelet directory in a short
+folder under /tmp (readable by uid 65534, and short enough for socket paths). Sidecars run as
+``objfs sidecar --fd-dir`` under uid 65534 with every capability dropped and no_new_privs; they
+see the pod's ``objfs-fd`` directory through a short symlink, as a container sees its emptyDir
+at a short mount path. After every test nothing is left mounted under the test's folder.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+import pytest
+
+from objfs.csi import DRIVER_NAME, proto
+from objfs.csi.node import socket_name
+from objfs.csi.volume import POD_UID_KEY, VolumeContextError, parse_volume_context
+from objfs.demo import LocalServer
+from objfs.mount import _unescape_mountinfo
+from tests.conftest import run_objfs, sha256
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
+
+REPO = Path(__file__).resolve().parent.parent
+HAVE_SIDECAR = (REPO / "objfs" / "sidecar_fd.py").exists()
+needs_sidecar = pytest.mark.skipif(
+    not HAVE_SIDECAR, reason="objfs sidecar --fd-dir (objfs/sidecar_fd.py) is not there yet"
+)
+NOBODY = 65534
+CAPABILITY = {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}
+FILES = {
+    "models/m/config.json": b'{"hidden_size": 64}\n',
+    "models/m/weights.bin": os.urandom(5 * 1024 * 1024 + 123),
+    "models/m/sub/tokenizer.txt": b"a b c\n" * 1000,
+}
+EXPECTED = {key.removeprefix("models/m/"): data for key, data in FILES.items()}
+
+
+def mounts_under(base: Path) -> list[str]:
+    """Every mount point under ``base``, from mountinfo (never stat-ing one)."""
+    found = []
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            target = _unescape_mountinfo(line.split()[4])
+            if target.startswith(str(base) + "/"):
+                found.append(target)
+    return found
+
+
+def mount_line(target: Path) -> str | None:
+    found = None
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            if _unescape_mountinfo(line.split()[4]) == str(target):
+                found = line
+    return found
+
+
+def lazy_umount_all(base: Path) -> None:
+    for target in reversed(mounts_under(base)):
+        subprocess.run(["umount", "-l", target], check=False, capture_output=True)
+
+
+@dataclass
+class Plugin:
+    base: Path
+    kubelet: Path
+    endpoint: str
+    log: Path
+    proc: subprocess.Popen[bytes] | None = None
+    client: proto.Client | None = None
+    sidecars: list[subprocess.Popen[bytes]] = field(default_factory=list)
+
+    def start(self) -> None:
+        with open(self.log, "ab") as out:
+            self.proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "objfs",
+                    "csi",
+                    "--endpoint",
+                    self.endpoint,
+                    "--node-id",
+                    "node-1",
+                    "--kubelet-dir",
+                    str(self.kubelet),
+                    "--log-level",
+                    "debug",
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        socket_path = Path(self.endpoint.removeprefix("unix://"))
+        deadline = time.monotonic() + 30
+        while not socket_path.exists():
+            assert self.proc.poll() is None, "objfs csi exited:\n" + self.log.read_text()
+            assert time.monotonic() < deadline, "objfs csi did not listen:\n" + self.log.read_text()
+            time.sleep(0.05)
+        self.client = proto.Client(self.endpoint)
+        self.call("Identity", "Probe")  # waits for the server
+
+    def stop(self) -> int:
+        assert self.proc is not None
+        if self.client is not None:
+            self.client.close()
+            self.client = None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout=30)
+
+    def call(self, service: str, method: str, **fields: Any) -> Any:
+        assert self.client is not None
+        return self.client.call(service, method, 30.0, **fields)
+
+    def pod(self, uid: str | None = None, *, fd_volume: bool = True) -> Pod:
+        uid = uid or str(uuid.uuid4())
+        pod_dir = self.kubelet / "pods" / uid
+        fd_dir = pod_dir / "volumes" / "kubernetes.io~empty-dir" / "objfs-fd"
+        if fd_volume:
+            fd_dir.mkdir(parents=True)
+            # As the kubelet makes an emptyDir: the pod's, writable by its user.
+            os.chown(fd_dir, NOBODY, NOBODY)
+            fd_dir.chmod(0o770)
+            for parent in (fd_dir.parent, fd_dir.parent.parent, pod_dir, pod_dir.parent):
+                parent.chmod(0o755)
+        else:
+            pod_dir.mkdir(parents=True)
+        return Pod(self, uid, fd_dir)
+
+    def publish(self, pod: Pod, volume: str, target: Path, **attributes: str) -> Any:
+        context = {POD_UID_KEY: pod.uid, "csi.storage.k8s.io/ephemeral": "true", **attributes}
+        return self.call(
+            "Node",
+            "NodePublishVolume",
+            volume_id=volume,
+            target_path=str(target),
+            volume_capability=CAPABILITY,
+            volume_context=context,
+        )
+
+    def unpublish(self, volume: str, target: Path) -> Any:
+        return self.call("Node", "NodeUnpublishVolume", volume_id=volume, target_path=str(target))
+
+    def run_sidecar(self, pod: Pod, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        """``objfs sidecar --fd-dir`` as uid 65534, no capabilities, no_new_privs."""
+        link = self.base / f"fd-{pod.uid[:8]}"
+        if not link.is_symlink():
+            link.symlink_to(pod.fd_dir)
+        log = self.log.with_name(f"sidecar-{pod.uid[:8]}-{len(self.sidecars)}.out")
+        with open(log, "ab") as out:
+            proc = subprocess.Popen(
+                [
+                    "setpriv",
+                    f"--reuid={NOBODY}",
+                    f"--regid={NOBODY}",
+                    "--clear-groups",
+                    "--inh-caps=-all",
+                    "--bounding-set=-all",
+                    "--no-new-privs",
+                    sys.executable,
+                    "-m",
+                    "objfs",
+                    "sidecar",
+                    "--fd-dir",
+                    str(link),
+                ],
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                cwd="/",
+                env={**os.environ, "HOME": "/nonexistent", **env},
+            )
+        self.sidecars.append(proc)
+        return proc
+
+
+@dataclass
+class Pod:
+    plugin: Plugin
+    uid: str
+    fd_dir: Path
+
+    def target(self, name: str) -> Path:
+        return (
+            self.plugin.kubelet
+            / "pods"
+            / self.uid
+            / "volumes"
+            / "kubernetes.io~csi"
+            / name
+            / "mount"
+        )
+
+
+def kill_tree(proc: subprocess.Popen[bytes]) -> None:
+    """SIGKILL a process and its descendants (a container killed), by pid."""
+    try:
+        family = [*psutil.Process(proc.pid).children(recursive=True), psutil.Process(proc.pid)]
+    except psutil.NoSuchProcess:
+        family = []
+    for member in family:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            member.kill()
+    proc.wait(timeout=30)
+
+
+@pytest.fixture
+def plugin(tmp_path: Path) -> Iterator[Plugin]:
+    base = Path(tempfile.mkdtemp(prefix="objfs-csi-", dir="/tmp"))
+    base.chmod(0o755)
+    kubelet = base / "kubelet"
+    kubelet.mkdir()
+    kubelet.chmod(0o755)
+    p = Plugin(base, kubelet, f"unix://{base}/csi.sock", tmp_path / "csi.out")
+    try:
+        p.start()
+        yield p
+        if p.proc is not None and p.proc.poll() is None:
+            assert p.stop() == 0, "objfs csi did not exit 0 on SIGTERM:\n" + p.log.read_text()
+    finally:
+        for sidecar in p.sidecars:
+            if sidecar.poll() is None:
+                kill_tree(sidecar)
+        if p.proc is not None and p.proc.poll() is None:
+            p.proc.kill()
+            p.proc.wait(timeout=30)
+        left = mounts_under(base)
+        lazy_umount_all(base)
+        if not left:
+            shutil.rmtree(base, ignore_errors=True)
+    assert not left, f"left mounted: {left}"
+
+
+@pytest.fixture
+def s3_source(s3: Any, bucket: str) -> str:
+    for key, data in FILES.items():
+        s3.put_object(Bucket=bucket, Key=key, Body=data)
+    return f"s3://{bucket}/models/m"
+
+
+def read_tree_elsewhere(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root``, read by another process (as a workload would)."""
+    code = (
+        "import hashlib, os, sys, json\n"
+        "root = sys.argv[1]\n"
+        "out = {}\n"
+        "for d, _, files in os.walk(root):\n"
+        "    for n in files:\n"
+        "        p = os.path.join(d, n)\n"
+        "        out[os.path.relpath(p, root)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    import json
+
+    result: dict[str, str] = json.loads(proc.stdout)
+    return result
+
+
+def wait_readable(root: Path, timeout_s: float = 60.0) -> dict[str, str]:
+    """Reads the tree once the sidecar serves it (a child process that may block meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    last = ""
+    while time.monotonic() < deadline:
+        code = (
+            "import os, sys\n"
+            "try:\n"
+            "    os.listdir(sys.argv[1])\n"
+            "except OSError as e:\n"
+            "    print(e.errno); sys.exit(1)\n"
+        )
+        try:
+            proc = subprocess.run(
+                [sys.executable, "-c", code, str(root)],
+                capture_output=True,
+                text=True,
+                timeout=10,
+                check=False,
+            )
+        except subprocess.TimeoutExpired:
+            last = "listing blocked (no sidecar serving yet)"
+            continue
+        if proc.returncode == 0:
+            return read_tree_elsewhere(root)
+        last = proc.stdout.strip() + proc.stderr.strip()
+        time.sleep(0.2)
+    raise AssertionError(f"{root} did not serve in time: {last}")
+
+
+def expected_hashes() -> dict[str, str]:
+    return {name: sha256(data) for name, data in EXPECTED.items()}
+
+
+def s3_attributes(s3_server: LocalServer) -> dict[str, str]:
+    return {"endpoint-url": s3_server.url, "region": "us-east-1", "metadata-ttl": "5"}
+
+
+# -- messages and volume attributes (no mounts) ---------------------------------------------
+
+
+def test_messages_use_the_csi_field_numbers() -> None:
+    """The wire bytes of a publish request, field by field, as csi.proto v1 numbers them."""
+    request = proto.message_class("NodePublishVolumeRequest")(
+        volume_id="v",
+        target_path="/t",
+        volume_capability={"mount": {"fs_type": "x"}, "access_mode": {"mode": 3}},
+        readonly=True,
+        volume_context={"k": "v"},
+        secrets={"s": "t"},
+    )
+    data = request.SerializeToString()
+    assert data.startswith(b"\x0a\x01v")  # volume_id = 1
+    assert b"\x22\x02/t" in data  # target_path = 4
+    # volume_capability = 5 { mount = 2 { fs_type = 1 }, access_mode = 3 { mode = 1 } }
+    assert b"\x2a\x09\x12\x03\x0a\x01x\x1a\x02\x08\x03" in data
+    assert b"\x30\x01" in data  # readonly = 6
+    assert b"\x3a\x06\x0a\x01s\x12\x01t" in data  # secrets = 7 (map entry key 1, value 2)
+    assert b"\x42\x06\x0a\x01k\x12\x01v" in data  # volume_context = 8
+    block = proto.message_class("VolumeCapability")(block={}).SerializeToString()
+    assert block == b"\x0a\x00"  # block = 1
+    unpublish = proto.message_class("NodeUnpublishVolumeRequest")(volume_id="v", target_path="/t")
+    assert unpublish.SerializeToString() == b"\x0a\x01v\x12\x02/t"
+    probe = proto.message_class("ProbeResponse")(ready={"value": True})
+    assert probe.SerializeToString() == b"\x0a\x02\x08\x01"  # BoolValue ready = 1
+    info = proto.message_class("GetPluginInfoResponse")(name="n", vendor_version="1")
+    assert info.SerializeToString() == b"\x0a\x01n\x12\x011"
+    node = proto.message_class("NodeGetInfoResponse")(node_id="x", max_volumes_per_node=2)
+    assert node.SerializeToString() == b"\x0a\x01x\x10\x02"
+
+
+POD = {POD_UID_KEY: "0b7c3c5e-1f2a-4d8e-9a6b-2c4d6e8f0a1b"}
+SECRET = "value-that-must-never-be-echoed"
+
+
+def test_volume_context_becomes_mount_options() -> None:
+    spec = parse_volume_context(
+        {
+            "source": "s3://bucket-a/models",
+            "endpoint-url": "http://minio:9000",
+            "metadata-ttl": "indefinite",
+            "force-path-style": "false",
+            "no-sign-request": "true",
+            "credentials-file": "/secrets/objfs/credentials",
+            "csi.storage.k8s.io/serviceAccount.tokens": '{"sts.amazonaws.com":{"token":"x"}}',
+            "csi.storage.k8s.io/pod.name": "vllm-0",
+            **POD,
+        },
+        "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/m/mount",
+    )
+    assert spec.source == "s3://bucket-a/models"
+    assert spec.options == {
+        "credentials-file": "/secrets/objfs/credentials",
+        "endpoint-url": "http://minio:9000",
+        "metadata-ttl": "indefinite",
+        "no-force-path-style": "true",
+        "no-sign-request": "true",
+    }
+    assert spec.pod_uid == POD[POD_UID_KEY]
+    assert "token" not in repr(spec)
+
+
+@pytest.mark.parametrize(
+    ("context", "message"),
+    [
+        ({"source": "s3://bucket-a", "aws-secret-access-key": SECRET}, "looks like a credential"),
+        ({"source": "s3://bucket-a", "sas-token": SECRET}, "looks like a credential"),
+        ({"source": "s3://bucket-a", "AccountKey": SECRET}, "looks like a credential"),
+        ({"source": "s3://bucket-a", "password": SECRET}, "looks like a credential"),
+        ({"source": "s3://bucket-a", "connection-string": SECRET}, "looks like a credential"),
+        ({"source": "s3://bucket-a", "colour": "blue"}, "unknown volume attribute 'colour'"),
+        ({"source": "s3://bucket-a", "foreground": "true"}, "'foreground' cannot be set"),
+        ({"source": "s3://bucket-a", "log-file": "/x"}, "'log-file' cannot be set"),
+        ({"source": "s3://bucket-a", "credentials-file": "creds"}, "absolute path"),
+        ({"source": "s3://bucket-a", "sas-token-file": "t"}, "absolute path"),
+        ({"source": "s3://bucket-a", "endpoint-url": "http://u:p@h:9000"}, "user, password"),
+        ({"source": "s3://bucket-a", "max-connections": "0"}, "max-connections: 0"),
+        ({"source": "s3://bucket-a", "metadata-ttl": "soon"}, "metadata-ttl"),
+        ({"source": "s3://bucket-a", "no-sign-request": "maybe"}, "is a flag"),
+        ({"source": "gs://bucket-a"}, "unknown scheme"),
+        ({"region": "x"}, "'source' is missing"),
+    ],
+)
+def test_bad_volume_context_is_refused(context: dict[str, str], message: str) -> None:
+    with pytest.raises(VolumeContextError, match=message) as info:
+        parse_volume_context({**POD, **context}, "/k/pods/x/volumes/kubernetes.io~csi/m/mount")
+    text = str(info.value)
+    assert "\n" not in text
+    assert SECRET not in text
+
+
+def test_missing_pod_uid_is_refused() -> None:
+    with pytest.raises(VolumeContextError, match="podInfoOnMount"):
+        parse_volume_context({"source": "s3://bucket-a"}, "/t")
+
+
+def test_socket_names_are_short_and_distinct() -> None:
+    a = socket_name("vol/../x" * 20, "/k/a/mount")
+    b = socket_name("vol/../x" * 20, "/k/b/mount")
+    assert a != b
+    assert "/" not in a
+    assert len(a) <= 40 + 1 + 8 + 5
+
+
+# -- the plugin, no sidecar -------------------------------------------------------------------
+
+
+def test_usage_errors_are_one_line() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ("CSI_ENDPOINT", "KUBE_NODE_NAME")}
+    for args, text in [
+        ((), "--endpoint is missing"),
+        (("--endpoint", "unix:///tmp/x.sock"), "--node-id is missing"),
+        (("--endpoint", "tcp://127.0.0.1:1", "--node-id", "n"), "unix:///"),
+        (("--endpoint", "unix://relative.sock", "--node-id", "n"), "absolute"),
+    ]:
+        result = run_objfs("csi", *args, env=env)
+        assert result.returncode == 2, result
+        lines = result.stderr.strip().splitlines()
+        assert len(lines) == 1, result.stderr
+        assert text in lines[0], result.stderr
+
+
+def test_identity_and_node_info(plugin: Plugin) -> None:
+    info = plugin.call("Identity", "GetPluginInfo")
+    assert info.name == DRIVER_NAME
+    from objfs import __version__
+
+    assert info.vendor_version == __version__
+    assert list(plugin.call("Identity", "GetPluginCapabilities").capabilities) == []
+    probe = plugin.call("Identity", "Probe")
+    assert probe.HasField("ready")
+    assert probe.ready.value is True
+    assert plugin.call("Node", "NodeGetInfo").node_id == "node-1"
+    assert list(plugin.call("Node", "NodeGetCapabilities").capabilities) == []
+    assert plugin.client is not None
+    for service, method in [("Node", "NodeStageVolume"), ("Controller", "CreateVolume")]:
+        with pytest.raises(grpc.RpcError) as info_:
+            plugin.client.call_raw(service, method)
+        assert info_.value.code() == grpc.StatusCode.UNIMPLEMENTED
+
+
+def test_publish_is_idempotent_and_unpublish_needs_no_sidecar(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    attributes = {"source": "s3://bucket-a/models", "region": "eu-west-1"}
+    started = time.monotonic()
+    plugin.publish(pod, "vol-a", target, **attributes)
+    assert time.monotonic() - started < 5, "publish waited for something"
+    line = mount_line(target)
+    assert line is not None
+    options, _, rest = line.partition(" - ")
+    assert rest.split()[0] == "fuse.objfs"
+    assert rest.split()[1] == "s3://bucket-a/models/"
+    assert {"ro", "nosuid", "nodev"} <= set(options.split()[5].split(","))
+    assert {"allow_other", "default_permissions"} <= set(rest.split()[2].split(","))
+    sockets = list(pod.fd_dir.iterdir())
+    assert [s.name for s in sockets] == [socket_name("vol-a", str(target))]
+    assert sockets[0].stat().st_mode & 0o777 == 0o666
+    state = list((plugin.kubelet / "plugins" / DRIVER_NAME / "state").iterdir())
+    assert len(state) == 1
+    assert "eu-west-1" in state[0].read_text()
+
+    # A kubelet retry: OK, the same mount (no second one stacked).
+    plugin.publish(pod, "vol-a", target, **attributes)
+    assert mounts_under(plugin.base) == [str(target)]
+    # The same target with other attributes, or another volume: ALREADY_EXISTS.
+    for volume, changed in [
+        ("vol-a", {**attributes, "region": "us-east-2"}),
+        ("vol-b", attributes),
+    ]:
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.publish(pod, volume, target, **changed)
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+        assert "already published" in info.value.details()
+
+    started = time.monotonic()
+    plugin.unpublish("vol-a", target)
+    assert time.monotonic() - started < 5, "unpublish waited for a sidecar"
+    assert mounts_under(plugin.base) == []
+    assert not target.exists()
+    assert list(pod.fd_dir.iterdir()) == []
+    assert state[0].exists() is False
+    # Unpublish again, or a target never published: OK.
+    plugin.unpublish("vol-a", target)
+    plugin.unpublish("vol-x", pod.target("never"))
+
+
+def test_a_reader_waits_until_a_sidecar_serves_then_unpublish_frees_it(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; os.listdir(sys.argv[1])", str(target)],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        with pytest.raises(subprocess.TimeoutExpired):
+            reader.wait(timeout=2)  # waits: no sidecar has the fd yet
+        plugin.unpublish("vol-a", target)
+        assert reader.wait(timeout=30) != 0  # ended with an error, not hung
+        assert mounts_under(plugin.base) == []
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait()
+
+
+def test_two_volumes_and_two_targets_of_one_volume(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    other = plugin.pod()
+    targets = [
+        (pod, "vol-a", pod.target("a")),
+        (pod, "vol-b", pod.target("b")),
+        (other, "vol-a", other.target("a")),
+    ]
+    for owner, volume, target in targets:
+        plugin.publish(owner, volume, target, source=f"s3://bucket-{volume[-1]}/p")
+    assert sorted(mounts_under(plugin.base)) == sorted(str(t) for _, _, t in targets)
+    assert len(list(pod.fd_dir.iterdir())) == 2
+    assert len(list(other.fd_dir.iterdir())) == 1
+    for _owner, volume, target in targets:
+        plugin.unpublish(volume, target)
+    assert mounts_under(plugin.base) == []
+
+
+def test_bad_requests_are_refused_with_messages(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    no_fd = plugin.pod(fd_volume=False)
+    target = pod.target("bad")
+
+    def refused(code: grpc.StatusCode, text: str, **fields: Any) -> None:
+        request = {
+            "volume_id": "vol-bad",
+            "target_path": str(target),
+            "volume_capability": CAPABILITY,
+            "volume_context": {POD_UID_KEY: pod.uid, "source": "s3://bucket-a/p"},
+            **fields,
+        }
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.call("Node", "NodePublishVolume", **request)
+        assert info.value.code() == code, info.value.details()
+        assert text in info.value.details()
+        assert "\n" not in info.value.details()
+        assert mounts_under(plugin.base) == []
+
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    refused(
+        invalid,
+        "unknown volume attribute 'colour'",
+        volume_context={POD_UID_KEY: pod.uid, "source": "s3://bucket-a/p", "colour": "blue"},
+    )
+    refused(
+        invalid,
+        "'aws-access-key-id' looks like a credential",
+        volume_context={
+            POD_UID_KEY: pod.uid,
+            "source": "s3://bucket-a/p",
+            "aws-access-key-id": "AKIAX",
+        },
+    )
+    refused(invalid, "'source' is missing", volume_context={POD_UID_KEY: pod.uid})
+    refused(invalid, "podInfoOnMount", volume_context={"source": "s3://bucket-a/p"})
+    refused(invalid, "block devices", volume_capability={"block": {}})
+    refused(invalid, "no CSI secrets", secrets={"key": "value"})
+    refused(invalid, "outside the kubelet directory", target_path="/tmp/elsewhere/mount")
+    refused(invalid, "volume_id is missing", volume_id="")
+    refused(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "no emptyDir volume named objfs-fd",
+        target_path=str(no_fd.target("bad")),
+        volume_context={POD_UID_KEY: no_fd.uid, "source": "s3://bucket-a/p"},
+    )
+    assert not no_fd.target("bad").exists()
+
+
+def test_sigterm_leaves_mounts_and_a_restart_unpublishes_them(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    assert plugin.stop() == 0
+    assert mounts_under(plugin.base) == [str(target)], "SIGTERM must leave mounts to the pods"
+    plugin.start()
+    assert "found vol-a published" in plugin.log.read_text()
+    # Listening again for the pod's sidecar.
+    assert [s.name for s in pod.fd_dir.iterdir()] == [socket_name("vol-a", str(target))]
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")  # a retry: OK
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+    assert list(pod.fd_dir.iterdir()) == []
+
+
+# -- with the unprivileged sidecar ------------------------------------------------------------
+
+
+def moto_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("AWS_")}
+
+
+@needs_sidecar
+def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
+    plugin: Plugin, s3_source: str, s3_server: LocalServer
+) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source=s3_source, **s3_attributes(s3_server))
+    sidecar = plugin.run_sidecar(pod, moto_env())
+    assert wait_readable(target) == expected_hashes()
+    family = [psutil.Process(sidecar.pid), *psutil.Process(sidecar.pid).children(recursive=True)]
+    assert all(member.uids().real == NOBODY for member in family[1:])
+
+    # A retry of the publish while served: OK, and it still serves.
+    plugin.publish(pod, "vol-a", target, source=s3_source, **s3_attributes(s3_server))
+    assert read_tree_elsewhere(target) == expected_hashes()
+
+    # The sidecar's container is killed: readers fail (never hang, never wrong bytes).
+    kill_tree(sidecar)
+    deadline = time.monotonic() + 30
+    code = (
+        "import errno, sys\n"
+        "try:\n"
+        "    open(sys.argv[1], 'rb').read()\n"
+        "except OSError as e:\n"
+        "    print(errno.errorcode.get(e.errno, e.errno)); sys.exit(3)\n"
+    )
+    while True:
+        proc = subprocess.run(
+            [sys.executable, "-c", code, str(target / "config.json")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=False,
+        )
+        if proc.returncode == 3:
+            assert proc.stdout.strip() in ("ENOTCONN", "EIO", "ECONNABORTED"), proc.stdout
+            break
+        assert time.monotonic() < deadline, "reads still succeed after the sidecar died"
+        time.sleep(0.2)
+    assert "is gone" in plugin.log.read_text()
+
+    # A new sidecar on the same socket: served again without a new publish.
+    plugin.run_sidecar(pod, moto_env())
+    assert wait_readable(target) == expected_hashes()
+    assert "replaced the mount" in plugin.log.read_text()
+    assert len([m for m in mounts_under(plugin.base) if m == str(target)]) == 1
+
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+
+
+@needs_sidecar
+def test_sidecar_serves_two_volumes_and_two_targets(
+    plugin: Plugin, s3: Any, s3_source: str, s3_server: LocalServer
+) -> None:
+    bucket = s3_source.split("/")[2]
+    s3.put_object(Bucket=bucket, Key="other/x.txt", Body=b"other volume\n")
+    pod = plugin.pod()
+    attributes = s3_attributes(s3_server)
+    first, second, again = pod.target("a"), pod.target("b"), pod.target("c")
+    plugin.publish(pod, "vol-a", first, source=s3_source, **attributes)
+    plugin.publish(pod, "vol-b", second, source=f"s3://{bucket}/other", **attributes)
+    plugin.publish(pod, "vol-a", again, source=s3_source, **attributes)
+    plugin.run_sidecar(pod, moto_env())
+    assert wait_readable(first) == expected_hashes()
+    assert wait_readable(again) == expected_hashes()
+    assert wait_readable(second) == {"x.txt": sha256(b"other volume\n")}
+    for volume, target in [("vol-a", first), ("vol-b", second), ("vol-a", again)]:
+        plugin.unpublish(volume, target)
+    assert mounts_under(plugin.base) == []
