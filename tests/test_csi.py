@@ -243,7 +243,7 @@ def plugin(tmp_path: Path) -> Iterator[Plugin]:
             p.proc.wait(timeout=30)
         left = mounts_under(base)
         lazy_umount_all(base)
-        if not left:
+        if not mounts_under(base):
             shutil.rmtree(base, ignore_errors=True)
     assert not left, f"left mounted: {left}"
 
@@ -309,6 +309,14 @@ def wait_readable(root: Path, timeout_s: float = 60.0) -> dict[str, str]:
         last = proc.stdout.strip() + proc.stderr.strip()
         time.sleep(0.2)
     raise AssertionError(f"{root} did not serve in time: {last}")
+
+
+def wait_log(plugin: Plugin, text: str, count: int = 1, timeout_s: float = 70.0) -> None:
+    """Waits until the plugin's log holds ``text`` ``count`` times (e.g. a sidecar's ``ok``)."""
+    deadline = time.monotonic() + timeout_s
+    while plugin.log.read_text().count(text) < count:
+        assert time.monotonic() < deadline, f"no {text!r} x{count} in:\n{plugin.log.read_text()}"
+        time.sleep(0.1)
 
 
 def expected_hashes() -> dict[str, str]:
@@ -628,6 +636,7 @@ def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
     plugin.publish(pod, "vol-a", target, source=s3_source, **s3_attributes(s3_server))
     sidecar = plugin.run_sidecar(pod, moto_env())
     assert wait_readable(target) == expected_hashes()
+    wait_log(plugin, "the sidecar serves")  # it answered ok: the plugin closed its fd
     family = [psutil.Process(sidecar.pid), *psutil.Process(sidecar.pid).children(recursive=True)]
     assert all(member.uids().real == NOBODY for member in family[1:])
 
@@ -664,6 +673,7 @@ def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
     plugin.run_sidecar(pod, moto_env())
     assert wait_readable(target) == expected_hashes()
     assert "replaced the mount" in plugin.log.read_text()
+    wait_log(plugin, "the sidecar serves", 2)
     assert len([m for m in mounts_under(plugin.base) if m == str(target)]) == 1
 
     plugin.unpublish("vol-a", target)
@@ -688,4 +698,32 @@ def test_sidecar_serves_two_volumes_and_two_targets(
     assert wait_readable(second) == {"x.txt": sha256(b"other volume\n")}
     for volume, target in [("vol-a", first), ("vol-b", second), ("vol-a", again)]:
         plugin.unpublish(volume, target)
+    assert mounts_under(plugin.base) == []
+
+
+@needs_sidecar
+def test_plugin_restart_keeps_the_sidecar_serving_and_takeover_still_works(
+    plugin: Plugin, s3_source: str, s3_server: LocalServer
+) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source=s3_source, **s3_attributes(s3_server))
+    sidecar = plugin.run_sidecar(pod, moto_env())
+    assert wait_readable(target) == expected_hashes()
+    wait_log(plugin, "the sidecar serves")
+
+    # The node plugin restarts (a DaemonSet update): the volume keeps serving throughout.
+    assert plugin.stop() == 0
+    assert read_tree_elsewhere(target) == expected_hashes()
+    plugin.start()
+    wait_log(plugin, "found vol-a published")
+    assert read_tree_elsewhere(target) == expected_hashes()
+    assert sidecar.poll() is None
+
+    # The restarted plugin still replaces the mount for a restarted sidecar.
+    kill_tree(sidecar)
+    plugin.run_sidecar(pod, moto_env())
+    wait_log(plugin, "replaced the mount")
+    assert wait_readable(target) == expected_hashes()
+    plugin.unpublish("vol-a", target)
     assert mounts_under(plugin.base) == []

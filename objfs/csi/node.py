@@ -588,10 +588,12 @@ class Node:
                 )
 
     def shutdown(self) -> None:
-        """Stops every thread and closes sockets and fds; mounts and state files stay."""
+        """Stops every thread and closes sockets and fds; mounts, state files and socket files
+        stay (a sidecar reads a removed socket file as an unpublished volume and stops serving
+        it; a restarted node plugin binds the same names anew)."""
         with self._lock:
             for pub in self._publications.values():
-                self._stop(pub)
+                self._stop(pub, remove_socket=False)
                 close_quietly(pub.fd)
                 pub.fd = -1
             self._publications.clear()
