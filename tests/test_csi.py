@@ -28,6 +28,7 @@ import grpc
 import psutil
 import pytest
 
+from objfs import fdpass
 from objfs.csi import DRIVER_NAME, proto
 from objfs.csi.node import socket_name
 from objfs.csi.volume import POD_UID_KEY, VolumeContextError, parse_volume_context
@@ -160,9 +161,7 @@ class Plugin:
 
     def run_sidecar(self, pod: Pod, env: dict[str, str]) -> subprocess.Popen[bytes]:
         """``objfs sidecar --fd-dir`` as uid 65534, no capabilities, no_new_privs."""
-        link = self.base / f"fd-{pod.uid[:8]}"
-        if not link.is_symlink():
-            link.symlink_to(pod.fd_dir)
+        link = pod.short_fd_dir()
         log = self.log.with_name(f"sidecar-{pod.uid[:8]}-{len(self.sidecars)}.out")
         with open(log, "ab") as out:
             proc = subprocess.Popen(
@@ -196,6 +195,13 @@ class Pod:
     plugin: Plugin
     uid: str
     fd_dir: Path
+
+    def short_fd_dir(self) -> Path:
+        """The objfs-fd directory by a short path (socket addresses hold 107 bytes at most)."""
+        link = self.plugin.base / f"fd-{self.uid[:8]}"
+        if not link.is_symlink():
+            link.symlink_to(self.fd_dir)
+        return link
 
     def target(self, name: str) -> Path:
         return (
@@ -727,3 +733,40 @@ def test_plugin_restart_keeps_the_sidecar_serving_and_takeover_still_works(
     assert wait_readable(target) == expected_hashes()
     plugin.unpublish("vol-a", target)
     assert mounts_under(plugin.base) == []
+
+
+def test_a_refused_or_abandoned_offer_is_offered_again(plugin: Plugin) -> None:
+    """A sidecar that answers an error, or goes away without answering, leaves the fd with
+    the plugin for the next one; the offer carries the options and never a token."""
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(
+        pod,
+        "vol-a",
+        target,
+        source="s3://bucket-a/models",
+        region="eu-west-1",
+        **{"no-sign-request": "true", "csi.storage.k8s.io/serviceAccount.tokens": SECRET},
+    )
+    path = str(pod.short_fd_dir() / socket_name("vol-a", str(target)))
+    offer = fdpass.take(path)
+    try:
+        assert offer.payload == {
+            "version": fdpass.PROTOCOL_VERSION,
+            "source": "s3://bucket-a/models",
+            "options": {"region": "eu-west-1", "no-sign-request": "true"},
+            "volume_id": "vol-a",
+            "target_path": str(target),
+        }
+        offer.fail("refused by the test")
+    finally:
+        offer.close()
+    wait_log(plugin, "refused by the test")
+    offer = fdpass.take(path)  # offered again, the same mount
+    offer.close()  # gone without answering
+    offer = fdpass.take(path)
+    offer.close()
+    assert mounts_under(plugin.base) == [str(target)]
+    assert "replaced the mount" not in plugin.log.read_text()
+    assert SECRET not in plugin.log.read_text()
+    plugin.unpublish("vol-a", target)

@@ -33,11 +33,14 @@ Invariants: the node plugin never stats, opens or resolves a path inside a mount
 :mod:`objfs.csi.fusemount`); nothing waits on a sidecar without a timeout or a way to be woken
 (unpublish and shutdown close the connection); no credential reaches a log, a state file or an
 offer (the volume attributes carry none, and the kubelet's service account tokens are dropped);
-every mount is made under the kubelet directory only. On SIGTERM/SIGINT the plugin stops
-serving gRPC and exits 0, leaving mounts in place: pods still use them. After a restart it finds
-its published targets from the state files and the kernel's mount table, listens again for
-sidecars (a mount whose fd died with the old process becomes dead, and is replaced when its
-sidecar reconnects), and unpublishes them as usual. A fuse.objfs mount under the kubelet
+every mount is made under the kubelet directory only, and nothing in a pod's objfs-fd
+directory is followed as a symlink. On SIGTERM/SIGINT the plugin stops serving gRPC and exits 0,
+leaving mounts, state files and socket files in place: pods still use the mounts, and a sidecar
+reads a removed socket file as an unpublished volume. After a restart it finds its published
+targets from the state files and the kernel's mount table and binds their sockets anew; a
+sidecar that still serves carries on, a mount whose fd died with the old process (no sidecar had
+taken it) is dead and is replaced when a sidecar connects, and NodeUnpublishVolume works as
+usual. A fuse.objfs mount under the kubelet
 directory without a state file is only reported; NodeUnpublishVolume still removes it.
 """
 
@@ -380,7 +383,9 @@ class Node:
         """Binds the offer socket in the pod's objfs-fd directory (through a directory fd:
         kubelet paths are longer than a socket address may be)."""
         try:
-            dir_fd = os.open(pub.fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            dir_fd = os.open(
+                pub.fd_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+            )
         except OSError as exc:
             raise CsiError(
                 grpc.StatusCode.FAILED_PRECONDITION,
@@ -391,7 +396,7 @@ class Node:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(pub.sock_name, dir_fd=dir_fd)
             listener.bind(f"/proc/self/fd/{dir_fd}/{pub.sock_name}")
-            os.chmod(pub.sock_name, 0o666, dir_fd=dir_fd)
+            _make_connectable(dir_fd, pub.sock_name)
             listener.listen(8)
             listener.settimeout(_POLL_S)
         except OSError as exc:
@@ -597,6 +602,18 @@ class Node:
                 close_quietly(pub.fd)
                 pub.fd = -1
             self._publications.clear()
+
+
+def _make_connectable(dir_fd: int, name: str) -> None:
+    """chmod 0666 the socket just bound, without following a symlink: the directory is the
+    pod's, and a pod could swap the socket for a link to a host file between bind and chmod."""
+    fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+            raise OSError(errno.EEXIST, "replaced by something that is not our socket", name)
+        os.chmod(f"/proc/self/fd/{fd}", 0o666)  # the inode the O_PATH fd holds
+    finally:
+        os.close(fd)
 
 
 def _read_ahead_lowered(config: MountConfig) -> bool:
