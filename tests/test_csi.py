@@ -35,6 +35,7 @@ from objfs.csi.volume import POD_UID_KEY, VolumeContextError, parse_volume_conte
 from objfs.demo import LocalServer
 from objfs.mount import _unescape_mountinfo
 from tests.conftest import run_objfs, sha256
+from tests.helpers.known_secrets import remember
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 
@@ -367,7 +368,9 @@ def test_messages_use_the_csi_field_numbers() -> None:
 
 
 POD = {POD_UID_KEY: "0b7c3c5e-1f2a-4d8e-9a6b-2c4d6e8f0a1b"}
-SECRET = "value-that-must-never-be-echoed"
+# A stand-in for a token or key put in volume attributes: never echoed, never logged (the last
+# test of the suite looks for it in every log).
+SECRET = remember("a token in volume attributes", "csi-attribute-token-0f9e8d7c6b5a4f3e")
 
 
 def test_volume_context_becomes_mount_options() -> None:
