@@ -773,3 +773,14 @@ def test_a_refused_or_abandoned_offer_is_offered_again(plugin: Plugin) -> None:
     assert "replaced the mount" not in plugin.log.read_text()
     assert SECRET not in plugin.log.read_text()
     plugin.unpublish("vol-a", target)
+
+
+def test_a_target_unmounted_behind_the_plugin_is_published_again(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    subprocess.run(["umount", "-l", str(target)], check=True)
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")  # a retry
+    assert mounts_under(plugin.base) == [str(target)]
+    assert "no longer mounted: publishing it again" in plugin.log.read_text()
+    plugin.unpublish("vol-a", target)

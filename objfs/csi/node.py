@@ -210,6 +210,13 @@ class Node:
 
         with self._lock:
             existing = self._publications.get(target)
+            if existing is not None and _objfs_mount(target) is None:
+                # Unmounted behind the plugin's back (by hand, or a node cleanup): start over.
+                log.warning("%s is no longer mounted: publishing it again", target)
+                self._publications.pop(target)
+                self._stop(existing)
+                close_quietly(existing.fd)
+                existing = None
             if existing is not None:
                 if (
                     existing.volume_id == volume_id
@@ -602,6 +609,12 @@ class Node:
                 close_quietly(pub.fd)
                 pub.fd = -1
             self._publications.clear()
+
+
+def _objfs_mount(target: str) -> str | None:
+    """``target`` if an objfs FUSE mount is the topmost mount there (from mountinfo)."""
+    info = mounted(target)
+    return target if info is not None and info.fstype == FSTYPE else None
 
 
 def _make_connectable(dir_fd: int, name: str) -> None:
