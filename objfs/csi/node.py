@@ -4,7 +4,10 @@ What NodePublishVolume does (idempotent under kubelet retries):
 
 1. checks the request and the volume attributes (:mod:`objfs.csi.volume`); the target must
    lie under ``--kubelet-dir`` and the pod must have an emptyDir named ``objfs-fd``
-   (``KUBELET_DIR/pods/POD_UID/volumes/kubernetes.io~empty-dir/objfs-fd/``);
+   (``KUBELET_DIR/pods/POD_UID/volumes/kubernetes.io~empty-dir/objfs-fd/``). Refused with
+   INVALID_ARGUMENT: block volumes, CSI secrets (``nodePublishSecretRef``: credentials are the
+   sidecar's), mount flags other than ro, nosuid, nodev, noatime (the PV's ``mountOptions``).
+   Any access mode is accepted and ``readonly`` is not needed: the mount is always read-only;
 2. opens ``/dev/fuse`` and mounts the target read-only with ``fd=N``
    (:func:`objfs.csi.fusemount.mount_fd`);
 3. listens on ``<volume id>-<8 hex of sha256(target)>.sock`` in that emptyDir (mode 0666:
@@ -40,8 +43,13 @@ reads a removed socket file as an unpublished volume. After a restart it finds i
 targets from the state files and the kernel's mount table and binds their sockets anew; a
 sidecar that still serves carries on, a mount whose fd died with the old process (no sidecar had
 taken it) is dead and is replaced when a sidecar connects, and NodeUnpublishVolume works as
-usual. A fuse.objfs mount under the kubelet
-directory without a state file is only reported; NodeUnpublishVolume still removes it.
+usual. A fuse.objfs mount under the kubelet directory without a state file is only reported;
+NodeUnpublishVolume still removes it.
+
+Kernel tuning (read-ahead, the FUSE queue; :func:`objfs.mount.tune_kernel`) is the node
+plugin's job, as the sidecar may not write sysfs. It runs once the sidecar answers ``ok``, and
+again during :data:`_RETUNE_S` if the kernel lowered the read-ahead on reading the answer to its
+INIT request, which may come just after the ``ok``.
 """
 
 from __future__ import annotations
