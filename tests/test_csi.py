@@ -117,7 +117,15 @@ class Plugin:
             assert time.monotonic() < deadline, "objfs csi did not listen:\n" + self.log.read_text()
             time.sleep(0.05)
         self.client = proto.Client(self.endpoint)
-        self.call("Identity", "Probe")  # waits for the server
+        # The socket file appears when gRPC binds, a moment before it listens.
+        while True:
+            try:
+                self.call("Identity", "Probe")
+                break
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
 
     def stop(self) -> int:
         assert self.proc is not None
@@ -324,6 +332,21 @@ def wait_log(plugin: Plugin, text: str, count: int = 1, timeout_s: float = 70.0)
     while plugin.log.read_text().count(text) < count:
         assert time.monotonic() < deadline, f"no {text!r} x{count} in:\n{plugin.log.read_text()}"
         time.sleep(0.1)
+
+
+def assert_tuned(target: Path) -> None:
+    """The plugin (root) tuned the mount the unprivileged sidecar serves, after its INIT."""
+    line = mount_line(target)
+    assert line is not None
+    major, minor = (int(n) for n in line.split()[2].split(":"))
+    read_ahead = Path(f"/sys/class/bdi/{major}:{minor}/read_ahead_kb")
+    queue = Path(f"/sys/fs/fuse/connections/{(major << 20) | minor}/max_background")
+    deadline = time.monotonic() + 10
+    while read_ahead.read_text().strip() != "16384" or (
+        queue.exists() and queue.read_text().strip() != "64"
+    ):
+        assert time.monotonic() < deadline, "the mount was not tuned"
+        time.sleep(0.2)
 
 
 def expected_hashes() -> dict[str, str]:
@@ -646,6 +669,7 @@ def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
     sidecar = plugin.run_sidecar(pod, moto_env())
     assert wait_readable(target) == expected_hashes()
     wait_log(plugin, "the sidecar serves")  # it answered ok: the plugin closed its fd
+    assert_tuned(target)
     family = [psutil.Process(sidecar.pid), *psutil.Process(sidecar.pid).children(recursive=True)]
     assert all(member.uids().real == NOBODY for member in family[1:])
 
