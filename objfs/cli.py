@@ -56,8 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "mount",
         help="mount SOURCE on MOUNTPOINT",
-        description="Mount SOURCE (s3://BUCKET[/PREFIX], az://CONTAINER[/PREFIX]) read-only on "
-        "MOUNTPOINT. Without "
+        description="Mount SOURCE (s3://BUCKET[/PREFIX], az://CONTAINER[/PREFIX]; s3:// or az:// "
+        "alone for every bucket or container of the account) read-only on MOUNTPOINT. Without "
         "--foreground, returns once the mount serves and leaves a daemon running.",
         epilog=_exit_code_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -66,7 +66,8 @@ def build_parser() -> argparse.ArgumentParser:
         "source",
         metavar="SOURCE",
         help="s3://BUCKET[/PREFIX], az://CONTAINER[/PREFIX], azure://ACCOUNT/CONTAINER[/PREFIX] "
-        "or https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX]",
+        "or https://ACCOUNT.blob.core.windows.net/CONTAINER[/PREFIX]; without the bucket "
+        "(s3://, az://, azure://ACCOUNT): every bucket or container as a directory",
     )
     m.add_argument("mountpoint", metavar="MOUNTPOINT", help="an existing empty directory")
 
@@ -292,15 +293,60 @@ def build_parser() -> argparse.ArgumentParser:
         help="a daemon silent for longer counts as hung (default: %(default)s)",
     )
 
-    sub.add_parser(
+    sc = sub.add_parser(
         "sidecar",
-        help="container entrypoint: mount from environment variables, supervise, unmount",
+        help="container entrypoint: mount from environment variables, supervise, unmount; "
+        "or, with --fd-dir, serve the mounts a CSI node plugin hands over (unprivileged)",
         description="Mount $OBJFS_SOURCE on $OBJFS_MOUNTPOINT (more options in $OBJFS_OPTIONS "
         "and OBJFS_* variables) and stay in the foreground; write $OBJFS_READY_FILE once the "
         "mount serves; SIGTERM unmounts and exits 0; exits 19 if the mount dies while "
-        "serving. See the README's Kubernetes section.",
+        "serving. With --fd-dir: take every FUSE fd that `objfs csi` offers on a socket in "
+        "DIR and serve it with the options that came with it; needs no capabilities. See "
+        "the README's Kubernetes section.",
         epilog=_exit_code_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sc.add_argument(
+        "--fd-dir",
+        metavar="DIR",
+        help="serve the FUSE fds offered by `objfs csi` on sockets in DIR (the pod's objfs-fd "
+        "emptyDir) instead of mounting from environment variables",
+    )
+
+    csi = sub.add_parser(
+        "csi",
+        help="CSI node plugin: mounts volumes (privileged) for unprivileged objfs sidecars",
+        description="Serve the Container Storage Interface (Identity and Node services) on a "
+        "Unix socket. NodePublishVolume opens /dev/fuse, mounts the target path read-only and "
+        "offers the fd to the `objfs sidecar --fd-dir` in the pod. Needs root (CAP_SYS_ADMIN) "
+        "and /dev/fuse; the sidecar needs neither. See the README's Kubernetes section.",
+        epilog=_exit_code_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    csi.add_argument(
+        "--endpoint",
+        default=os.environ.get("CSI_ENDPOINT"),
+        metavar="unix:///PATH",
+        help="where to serve gRPC (default: $CSI_ENDPOINT)",
+    )
+    csi.add_argument(
+        "--node-id",
+        default=os.environ.get("KUBE_NODE_NAME"),
+        metavar="ID",
+        help="this node's name, answered by NodeGetInfo (default: $KUBE_NODE_NAME)",
+    )
+    csi.add_argument(
+        "--kubelet-dir",
+        default="/var/lib/kubelet",
+        metavar="DIR",
+        help="the kubelet's root directory, where pods' emptyDir volumes lie "
+        "(default: %(default)s)",
+    )
+    csi.add_argument(
+        "--log-level",
+        default="info",
+        choices=("debug", "info", "warning", "error"),
+        help="(default: %(default)s)",
     )
     return parser
 
@@ -451,6 +497,12 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     def make_backend() -> Backend:
         from objfs.credentials import CredentialWatch
 
+        if config.source.account_root:  # s3://, az://: every bucket (container)
+            from objfs.backends.account import open_account
+
+            return open_account(
+                config, CredentialWatch.open(credentials, config.azure.sas_token_file)
+            )
         if config.source.store == "azure":
             from objfs.backends.azure import AzureBackend
 
@@ -500,9 +552,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "status":
             return _run_status(args)
         if args.command == "sidecar":
+            if args.fd_dir is not None:
+                from objfs.sidecar_fd import run_fd_sidecar
+
+                return run_fd_sidecar(args.fd_dir)
             from objfs.sidecar import run_sidecar
 
             return run_sidecar()
+        if args.command == "csi":
+            from objfs.csi.node import run_csi
+
+            return run_csi(
+                endpoint=args.endpoint,
+                node_id=args.node_id,
+                kubelet_dir=args.kubelet_dir,
+                log_level=args.log_level,
+            )
         if args.if_dead:
             from objfs.sidecar import clear_dead_mount
 
