@@ -149,16 +149,24 @@ def _unescape_mountinfo(field: str) -> str:
 
 
 def _mountinfo_record(target: str) -> tuple[list[str], list[str]] | None:
-    """The last /proc/self/mountinfo line mounted at ``target`` (a real path), split into its
-    fields before and after the `` - `` separator."""
-    found = None
+    """The topmost /proc/self/mountinfo line mounted at ``target`` (a real path), split into
+    its fields before and after the `` - `` separator.
+
+    Mounts may be stacked at one path (the CSI node plugin mounts a fresh FUSE connection on
+    top of a dead one): the topmost is the one no other mount at ``target`` sits on (its mount
+    id is no other's parent id there), and the last such line when that does not decide."""
+    found: list[tuple[list[str], list[str]]] = []
     with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
         for line in f:
             left, _, right = line.partition(" - ")
             fields = left.split()
             if len(fields) >= 5 and _unescape_mountinfo(fields[4]) == target:
-                found = (fields, right.split())
-    return found
+                found.append((fields, right.split()))
+    parents = {fields[1] for fields, _ in found}
+    on_top = [record for record in found if record[0][0] not in parents]
+    if on_top:
+        return on_top[-1]
+    return found[-1] if found else None
 
 
 def mount_entry(path: str) -> tuple[str, str] | None:
