@@ -74,6 +74,20 @@ def mount_line(target: Path) -> str | None:
     return found
 
 
+def abort_connections(base: Path) -> None:
+    """Ends the FUSE connection of every objfs mount under ``base`` (stacked ones too), so no
+    reader a failed test left behind stays blocked in the kernel."""
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            fields, _, rest = line.partition(" - ")
+            target = _unescape_mountinfo(fields.split()[4])
+            if not target.startswith(str(base) + "/") or rest.split()[0] != "fuse.objfs":
+                continue
+            major, minor = (int(n) for n in fields.split()[2].split(":"))
+            with contextlib.suppress(OSError):
+                Path(f"/sys/fs/fuse/connections/{(major << 20) | minor}/abort").write_text("1")
+
+
 def lazy_umount_all(base: Path) -> None:
     for target in reversed(mounts_under(base)):
         subprocess.run(["umount", "-l", target], check=False, capture_output=True)
@@ -257,6 +271,7 @@ def plugin(tmp_path: Path) -> Iterator[Plugin]:
             p.proc.kill()
             p.proc.wait(timeout=30)
         left = mounts_under(base)
+        abort_connections(base)
         lazy_umount_all(base)
         if not mounts_under(base):
             shutil.rmtree(base, ignore_errors=True)
@@ -270,7 +285,35 @@ def s3_source(s3: Any, bucket: str) -> str:
     return f"s3://{bucket}/models/m"
 
 
-def read_tree_elsewhere(root: Path) -> dict[str, str]:
+def run_reader(code: str, *args: str, timeout_s: float) -> subprocess.CompletedProcess[str]:
+    """Runs ``python -c code args`` as another process; a read that hangs fails the test.
+
+    Not ``subprocess.run(timeout=...)``: after its timeout that kills the child and then waits
+    for it without a limit, and a reader whose request the FUSE server read but never answered
+    cannot die until the connection ends, so the suite would hang instead of failing."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        try:
+            proc.communicate(timeout=5)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(
+                f"a reader of {args} is stuck in the kernel even after SIGKILL (pid {proc.pid}): "
+                "a FUSE request nobody answers on a connection that did not end"
+            ) from None
+        raise
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def read_tree_elsewhere(root: Path, timeout_s: float = 60.0) -> dict[str, str]:
     """sha256 of every file under ``root``, read by another process (as a workload would)."""
     code = (
         "import hashlib, os, sys, json\n"
@@ -282,13 +325,7 @@ def read_tree_elsewhere(root: Path) -> dict[str, str]:
         "        out[os.path.relpath(p, root)] = hashlib.sha256(open(p, 'rb').read()).hexdigest()\n"
         "print(json.dumps(out))\n"
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", code, str(root)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=False,
-    )
+    proc = run_reader(code, str(root), timeout_s=timeout_s)
     assert proc.returncode == 0, proc.stderr
     import json
 
@@ -309,13 +346,7 @@ def wait_readable(root: Path, timeout_s: float = 60.0) -> dict[str, str]:
             "    print(e.errno); sys.exit(1)\n"
         )
         try:
-            proc = subprocess.run(
-                [sys.executable, "-c", code, str(root)],
-                capture_output=True,
-                text=True,
-                timeout=10,
-                check=False,
-            )
+            proc = run_reader(code, str(root), timeout_s=10)
         except subprocess.TimeoutExpired:
             last = "listing blocked (no sidecar serving yet)"
             continue
@@ -688,13 +719,7 @@ def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
         "    print(errno.errorcode.get(e.errno, e.errno)); sys.exit(3)\n"
     )
     while True:
-        proc = subprocess.run(
-            [sys.executable, "-c", code, str(target / "config.json")],
-            capture_output=True,
-            text=True,
-            timeout=30,
-            check=False,
-        )
+        proc = run_reader(code, str(target / "config.json"), timeout_s=30)
         if proc.returncode == 3:
             assert proc.stdout.strip() in ("ENOTCONN", "EIO", "ECONNABORTED"), proc.stdout
             break
@@ -707,9 +732,86 @@ def test_sidecar_serves_byte_exact_and_takes_over_after_a_kill(
     assert wait_readable(target) == expected_hashes()
     assert "replaced the mount" in plugin.log.read_text()
     wait_log(plugin, "the sidecar serves", 2)
-    assert len([m for m in mounts_under(plugin.base) if m == str(target)]) == 1
+    # The fresh mount sits on the dead one (so containers' copies receive it), and the
+    # plugin tuned the topmost one.
+    assert mounts_under(plugin.base) == [str(target), str(target)]
+    assert_tuned(target)
 
-    plugin.unpublish("vol-a", target)
+    plugin.unpublish("vol-a", target)  # removes the whole stack
+    assert mounts_under(plugin.base) == []
+
+
+def umount_all_at(path: Path) -> None:
+    """Lazily unmounts every mount stacked at ``path`` (from mountinfo, never stat-ing it)."""
+    for _ in range(16):
+        if mount_line(path) is None:
+            return
+        subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True, timeout=30)
+    assert mount_line(path) is None, f"{path} stays mounted"
+
+
+def device_of(path: Path) -> str:
+    """``major:minor`` of the topmost mount at ``path`` (its FUSE connection), from mountinfo."""
+    line = mount_line(path)
+    assert line is not None
+    return line.split()[2]
+
+
+@needs_sidecar
+def test_takeover_reaches_the_containers_view_of_the_target(
+    plugin: Plugin, s3_source: str, s3_server: LocalServer
+) -> None:
+    """The model server's container sees the volume through its own copy of the target: the
+    runtime bind-mounts the target into the container as a slave (``mountPropagation:
+    HostToContainer``), under a kubelet directory that is a shared mount. Here the kubelet
+    directory is made shared and VIEW is that slave copy, in this namespace (propagation works
+    across namespaces the same way). After a sidecar restart the fresh mount must reach VIEW:
+    mounted on top of the dead mount it propagates to the slave; detached first and mounted
+    anew on the bare directory it would not, and VIEW would answer ENOTCONN for good."""
+    kubelet = plugin.kubelet
+    view = plugin.base / "view"  # where the container sees the volume
+    view.mkdir()
+
+    def run(*argv: str) -> None:
+        subprocess.run(list(argv), check=True, capture_output=True, timeout=30)
+
+    try:
+        run("mount", "--bind", str(kubelet), str(kubelet))
+        run("mount", "--make-shared", str(kubelet))
+        pod = plugin.pod()
+        target = pod.target("models")
+        plugin.publish(pod, "vol-a", target, source=s3_source, **s3_attributes(s3_server))
+        sidecar = plugin.run_sidecar(pod, moto_env())
+        assert wait_readable(target) == expected_hashes()
+        wait_log(plugin, "the sidecar serves")
+
+        # The runtime starts the container: its view is a slave of the target's mount.
+        run("mount", "--bind", str(target), str(view))
+        run("mount", "--make-slave", str(view))
+        line = mount_line(view)
+        assert line is not None
+        assert "master:" in line, line
+        assert device_of(view) == device_of(target)
+        assert read_tree_elsewhere(view) == expected_hashes()
+
+        # The sidecar's container is killed and restarted; the plugin takes over.
+        kill_tree(sidecar)
+        wait_log(plugin, "is gone")
+        plugin.run_sidecar(pod, moto_env())
+        wait_log(plugin, "replaced the mount")
+        assert wait_readable(target) == expected_hashes()
+        wait_log(plugin, "the sidecar serves", 2)
+
+        # The container reads the fresh mount, byte-exact, from another process.
+        assert wait_readable(view, timeout_s=20) == expected_hashes()
+        assert device_of(view) == device_of(target)
+
+        plugin.unpublish("vol-a", target)
+        assert str(target) not in mounts_under(plugin.base)
+    finally:
+        umount_all_at(view)
+        umount_all_at(kubelet)
+        view.rmdir()
     assert mounts_under(plugin.base) == []
 
 

@@ -22,15 +22,21 @@ own copy: from then on the sidecar holds the only one, so if the sidecar dies th
 the FUSE connection and readers get ENOTCONN (never a hang, never wrong bytes). The sidecar
 keeps its connection open while it serves; end of file on it marks the mount dead. When a
 sidecar connects to the socket of a dead mount (a restarted sidecar), the node plugin replaces
-the mount: it detaches the dead one, mounts a fresh ``/dev/fuse`` fd on the same target and
-offers that, so the volume serves again without a new publish. Containers see the new mount
-only where the target propagates into them (``mountPropagation: HostToContainer``); others
-keep the dead one until the pod restarts. A sidecar that answers an error, or nothing within
-:data:`OFFER_REPLY_TIMEOUT_S`, is dropped and the fd kept for the next one.
+the mount: it mounts a fresh ``/dev/fuse`` fd on the same target *on top of* the dead mount,
+which stays beneath it, and offers that, so the volume serves again without a new publish.
+Stacking, not detach-then-mount: a container sees the target through its own copy, a slave of
+the target's mount (``mountPropagation: HostToContainer``), which receives a mount made on top
+of the dead one but neither a detach of it nor a mount made afterwards on the bare directory.
+So containers with that propagation see the new mount; others keep the dead one until the pod
+restarts. A target thus holds at most one dead mount per sidecar restart, beneath the live
+one; "mounted", the device number (kernel tuning) and restart recovery read the topmost one
+from mountinfo (:func:`objfs.csi.fusemount.mounted`). A sidecar that answers an error, or
+nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped and the fd kept for the next one.
 
-NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches the
-mount (``MNT_DETACH``: never waits for a sidecar) and removes the target directory; it answers
-OK for a target that is not mounted or not known.
+NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches
+every objfs mount stacked on the target (``MNT_DETACH``, topmost first, until mountinfo shows
+none there: never waits for a sidecar) and removes the target directory; it answers OK for a
+target that is not mounted or not known.
 
 Invariants: the node plugin never stats, opens or resolves a path inside a mount it made (see
 :mod:`objfs.csi.fusemount`); nothing waits on a sidecar without a timeout or a way to be woken
@@ -105,6 +111,9 @@ _POLL_S = 0.5
 #: reads the answer to its INIT request, which may come just after the ``ok``.
 _RETUNE_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
+#: A bound on the mounts NodeUnpublishVolume detaches from one target (it stops earlier when
+#: mountinfo shows no objfs mount there): the first mount and one per sidecar takeover.
+_MAX_STACKED = 4096
 FD_VOLUME = "objfs-fd"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -301,8 +310,13 @@ class Node:
                 self._stop(pub)
                 close_quietly(pub.fd)
                 pub.fd = -1
+            # Every mount stacked there: the first one and one per sidecar takeover.
             count = 0
-            while (info := mounted(target)) is not None and info.fstype == FSTYPE and count < 16:
+            while (
+                (info := mounted(target)) is not None
+                and info.fstype == FSTYPE
+                and count < _MAX_STACKED
+            ):
                 try:
                     if not detach(target):
                         break
@@ -513,13 +527,14 @@ class Node:
             )
 
     def _replace_mount(self, pub: Publication) -> None:
-        count = 0
-        while (info := mounted(pub.target)) is not None and info.fstype == FSTYPE and count < 16:
-            if not detach(pub.target):
-                break
-            count += 1
+        """Mounts a fresh FUSE connection on top of the dead one, which stays beneath.
+
+        Not detach-then-mount: a container's copy of the target (``mountPropagation:
+        HostToContainer``, a slave of the target's mount) receives a mount made on top of the
+        dead one, but neither the detach nor a mount made afterwards on the bare directory, so
+        it would stay on the dead mount. NodeUnpublishVolume removes the whole stack."""
         self._mount_new(pub, make_target=False)
-        log.info("replaced the mount on %s for a new sidecar", pub.target)
+        log.info("replaced the mount on %s for a new sidecar (stacked on the dead one)", pub.target)
 
     def _watch(self, pub: Publication, conn: socket.socket) -> None:
         """Waits for end of file on the sidecar's connection; tunes the mount meanwhile."""
