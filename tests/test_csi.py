@@ -865,8 +865,9 @@ def test_plugin_restart_keeps_the_sidecar_serving_and_takeover_still_works(
 
 
 def test_a_refused_or_abandoned_offer_is_offered_again(plugin: Plugin) -> None:
-    """A sidecar that answers an error, or goes away without answering, leaves the fd with
-    the plugin for the next one; the offer carries the options and never a token."""
+    """A sidecar that answers an error leaves the fd with the plugin for the next one; one
+    that goes away without answering may have read requests from it, so the plugin drops it
+    and mounts afresh for the next one. The offer carries the options and never a token."""
     pod = plugin.pod()
     target = pod.target("models")
     plugin.publish(
@@ -892,13 +893,33 @@ def test_a_refused_or_abandoned_offer_is_offered_again(plugin: Plugin) -> None:
         offer.close()
     wait_log(plugin, "refused by the test")
     offer = fdpass.take(path)  # offered again, the same mount
-    offer.close()  # gone without answering
-    offer = fdpass.take(path)
-    offer.close()
     assert mounts_under(plugin.base) == [str(target)]
     assert "replaced the mount" not in plugin.log.read_text()
+
+    # A sidecar that dies with the fd in hand, after its server read the kernel's INIT (and
+    # maybe a reader's request): the plugin drops its copy, so the connection ends and the
+    # reader fails instead of waiting in the kernel for good.
+    reader = subprocess.Popen(
+        [sys.executable, "-c", "import os, sys; os.listdir(sys.argv[1])", str(target)],
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        assert len(os.read(offer.fd, 1 << 20)) > 0  # INIT, never answered
+        offer.close()  # gone without answering
+        assert reader.wait(timeout=30) != 0
+    finally:
+        if reader.poll() is None:
+            reader.kill()
+            reader.wait(timeout=30)
+    wait_log(plugin, "the next one gets a fresh mount")
+    offer = fdpass.take(path)  # a fresh connection, mounted on top of the dead one
+    offer.close()
+    wait_log(plugin, "the next one gets a fresh mount", 2)
+    assert "replaced the mount" in plugin.log.read_text()
+    assert mounts_under(plugin.base) == [str(target), str(target)]
     assert SECRET not in plugin.log.read_text()
     plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
 
 
 def test_a_target_unmounted_behind_the_plugin_is_published_again(plugin: Plugin) -> None:

@@ -28,10 +28,15 @@ Stacking, not detach-then-mount: a container sees the target through its own cop
 the target's mount (``mountPropagation: HostToContainer``), which receives a mount made on top
 of the dead one but neither a detach of it nor a mount made afterwards on the bare directory.
 So containers with that propagation see the new mount; others keep the dead one until the pod
-restarts. A target thus holds at most one dead mount per sidecar restart, beneath the live
-one; "mounted", the device number (kernel tuning) and restart recovery read the topmost one
-from mountinfo (:func:`objfs.csi.fusemount.mounted`). A sidecar that answers an error, or
-nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped and the fd kept for the next one.
+restarts. A target thus holds one dead mount per sidecar restart (or sidecar gone without
+answering), all beneath the live one and all removed at unpublish; "mounted", the device number
+(kernel tuning) and restart recovery read the topmost one from mountinfo
+(:func:`objfs.csi.fusemount.mounted`). A sidecar that answers an error, or
+nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped. After an error answer the fd is kept
+for the next one; after none (the sidecar died or went silent with the fd in hand, and its
+server may have read requests nobody will answer) the node plugin closes its copy, so the
+kernel ends that connection instead of leaving those readers blocked, and the next sidecar gets
+a fresh mount on top, as after a restart.
 
 NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches
 every objfs mount stacked on the target (``MNT_DETACH``, topmost first, until mountinfo shows
@@ -506,8 +511,24 @@ class Node:
             fdpass.send_offer(conn, fd, pub.payload())
             answer = fdpass.read_reply(conn, OFFER_REPLY_TIMEOUT_S)
         except (fdpass.FdPassError, OSError) as exc:
-            if not pub.stop.is_set():
-                log.warning("sidecar for %s did not take the mount: %s", pub.target, exc)
+            if pub.stop.is_set():
+                return
+            # Gone (killed) or silent with the fd in hand: its server may have read requests
+            # (INIT, a reader's) that nobody will answer. Keeping a copy would keep the
+            # connection alive, so those readers would wait in the kernel for good, unkillable,
+            # and the next sidecar would get a connection without its INIT. Dropped instead:
+            # once no process holds the fd the kernel ends the connection (ENOTCONN), and the
+            # next sidecar gets a fresh mount on top, as after a sidecar dies while serving.
+            with pub.lock:
+                if pub.fd == fd:
+                    close_quietly(pub.fd)
+                    pub.fd = -1
+                    pub.state = "dead"
+            log.warning(
+                "sidecar for %s did not take the mount: %s; the next one gets a fresh mount",
+                pub.target,
+                exc,
+            )
             return
         if answer is not None:
             log.warning("sidecar refused %s: %s; waiting for another", pub.target, answer)
@@ -532,7 +553,10 @@ class Node:
         Not detach-then-mount: a container's copy of the target (``mountPropagation:
         HostToContainer``, a slave of the target's mount) receives a mount made on top of the
         dead one, but neither the detach nor a mount made afterwards on the bare directory, so
-        it would stay on the dead mount. NodeUnpublishVolume removes the whole stack."""
+        it would stay on the dead mount. Dead mounts below the top are not trimmed either: a
+        container (re)started after a takeover holds a slave copy of the mount that was on top
+        then, and sees the next one only if it is mounted on top of that one. So the stack
+        grows by one per replacement; NodeUnpublishVolume removes it whole."""
         self._mount_new(pub, make_target=False)
         log.info("replaced the mount on %s for a new sidecar (stacked on the dead one)", pub.target)
 
