@@ -174,21 +174,87 @@ class Reservation:
         self.give_back(self.remaining)
 
 
+class ReplyGate:
+    """The share of the budget for short-lived reply buffers: reads assembled across blocks,
+    random reads fetched around the block tier, disk-cache blocks joined for a random read.
+
+    ``acquire(n)`` waits while ``used + n`` would exceed ``capacity_bytes``; a request larger
+    than the whole share passes only when nothing else holds any (so it cannot deadlock, and
+    the share is exceeded by at most that one request). Every ``acquire`` is matched by one
+    ``release`` of the same size, by its caller, once the reply is handed to the kernel (a
+    pooled reply buffer is given back lazily: at its owner's next read, or by ``reclaim``
+    when an ``acquire`` would wait, since any task that runs comes after that reply). A
+    holder never waits on the gate again before it releases, and never waits on the block
+    tier's budget for its own bytes, so the two shares cannot wait on each other in a cycle.
+    Trio thread only.
+    """
+
+    def __init__(self, capacity_bytes: int, cache: BlockCache) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.used_bytes = 0
+        self.peak_bytes = 0
+        self.waits = 0
+        # Set by the owner: gives back buffers whose replies were answered (see acquire).
+        self.reclaim: Callable[[], None] | None = None
+        self._waiting = 0
+        self._cache = cache
+        self._space = trio.Event()
+
+    async def acquire(self, nbytes: int) -> None:
+        while self.used_bytes and self.used_bytes + nbytes > self.capacity_bytes:
+            if self.reclaim is not None:
+                # Buffers of replies already handed to the kernel, given back lazily.
+                self.reclaim()
+                if not self.used_bytes or self.used_bytes + nbytes <= self.capacity_bytes:
+                    break
+            self.waits += 1
+            self._waiting += 1
+            try:
+                await self._space.wait()
+            finally:
+                self._waiting -= 1
+        self.used_bytes += nbytes
+        self.peak_bytes = max(self.peak_bytes, self.used_bytes)
+        self._cache.note_peak()
+
+    def release(self, nbytes: int) -> None:
+        self.used_bytes -= nbytes
+        if self.used_bytes < 0:
+            raise AssertionError(f"reply gate released {-self.used_bytes} bytes too many")
+        self._space.set()
+        self._space = trio.Event()
+
+    def poke(self) -> None:
+        """A lazily given-back buffer was just answered: waiters wake and ``reclaim`` it
+        (they run after the reply was handed to the kernel)."""
+        if self._waiting:
+            self._space.set()
+            self._space = trio.Event()
+
+
 class BlockCache:
-    """Fresh and used blocks plus reservations, bounded together by ``capacity_bytes``."""
+    """Fresh and used blocks plus reservations, bounded together by ``capacity_bytes``; with
+    the reply buffers' share (:class:`ReplyGate`), by ``budget_bytes`` (``--memory-limit``)."""
 
     def __init__(
         self,
-        capacity_bytes: int,
+        budget_bytes: int,
         used_limit_bytes: int | None = None,
         *,
         block_size: int = 1 << 20,
+        reply_bytes: int = 0,
     ) -> None:
-        self.capacity_bytes = capacity_bytes
-        self.used_limit_bytes = capacity_bytes if used_limit_bytes is None else used_limit_bytes
+        if not 0 <= reply_bytes < budget_bytes:
+            raise ValueError(f"reply share {reply_bytes} does not fit a {budget_bytes}-byte budget")
+        self.budget_bytes = budget_bytes
+        self.capacity_bytes = budget_bytes - reply_bytes
+        self.used_limit_bytes = (
+            self.capacity_bytes if used_limit_bytes is None else used_limit_bytes
+        )
         self.block_size = block_size
         # Free buffers plus cached blocks stay within the budget's worth of buffers.
-        self.pool = BufferPool(block_size, max(1, capacity_bytes // block_size))
+        self.pool = BufferPool(block_size, max(1, budget_bytes // block_size))
+        self.replies = ReplyGate(reply_bytes, self)
         self._used: OrderedDict[BlockKey, Block] = OrderedDict()
         self._used_bytes = 0
         self._fresh: OrderedDict[BlockKey, Block] = OrderedDict()
@@ -221,9 +287,13 @@ class BlockCache:
         """The one place the budget changes."""
         self._charged += delta
         if delta > 0:
-            self.peak_bytes = max(self.peak_bytes, self._charged)
+            self.note_peak()
         elif wake:
             self._wake()
+
+    def note_peak(self) -> None:
+        """Track the highest use of the whole budget (blocks, reservations, reply buffers)."""
+        self.peak_bytes = max(self.peak_bytes, self._charged + self.replies.used_bytes)
 
     def _wake(self) -> None:
         self._space.set()
@@ -409,5 +479,10 @@ class BlockCache:
             "held_bytes": self._held_bytes,
             "peak_bytes": self.peak_bytes,
             "capacity_bytes": self.capacity_bytes,
+            "budget_bytes": self.budget_bytes,
+            "reply_bytes": self.replies.used_bytes,
+            "reply_peak_bytes": self.replies.peak_bytes,
+            "reply_capacity_bytes": self.replies.capacity_bytes,
+            "reply_waits": self.replies.waits,
             **self.pool.statistics(),
         }

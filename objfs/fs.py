@@ -193,8 +193,19 @@ class FileSystem:
         # few of them (for reads that straddle requests and for re-reads after the kernel
         # dropped pages); the rest of the budget is for read-ahead.
         used_limit = max(2 * config.part_size_bytes, min(config.memory_limit_bytes // 4, 256 << 20))
+        # Reply buffers (reads assembled across blocks, random reads around the block tier)
+        # get their own share of the same budget: enough for 16 concurrent 1 MiB replies at
+        # the default, a sixteenth of smaller budgets, at least one part.
+        reply_bytes = min(
+            max(config.part_size_bytes, config.memory_limit_bytes // 16),
+            16 * config.block_size_bytes,
+            config.memory_limit_bytes // 2,
+        )
         self.cache = BlockCache(
-            config.memory_limit_bytes, used_limit, block_size=config.block_size_bytes
+            config.memory_limit_bytes,
+            used_limit,
+            block_size=config.block_size_bytes,
+            reply_bytes=reply_bytes,
         )
         self.disk = disk
         # Read-ahead runs queued jobs in order on all connections but two, which stay free
@@ -221,7 +232,9 @@ class FileSystem:
         self._head_flight: SingleFlight[str, tuple[ObjectInfo, float]] = SingleFlight()
         self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
-        self._reply_buffers: list[mmap.mmap] = []  # answered reads' pooled buffers (see read)
+        # Answered reads' pooled buffers, still charged to the reply share (see read).
+        self._reply_buffers: list[mmap.mmap] = []
+        self.cache.replies.reclaim = self._release_reply_buffers
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
         self._warned: set[str] = set()
@@ -778,6 +791,7 @@ class FileSystem:
     def release(self, fh: int) -> None:
         """Close a handle: cancel its read-ahead (queued jobs and fetches in flight); after the
         last handle of a version, its unread blocks are the first to go."""
+        self._release_reply_buffers()
         handle = self._handles.pop(fh, None)
         if handle is None:
             return
@@ -795,8 +809,7 @@ class FileSystem:
 
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
-        while self._reply_buffers:
-            self.cache.pool.release(self._reply_buffers.pop())
+        self._release_reply_buffers()
         handle = self._handle(fh)
         end = min(offset + size, handle.size)
         if offset >= end:
@@ -817,13 +830,26 @@ class FileSystem:
             # it before the trio thread runs anything else, so nothing can recycle it first).
             base = first * bs
             block = await self._block(handle, first, to_end=end == base + bs or end == handle.size)
-            return block[offset - base : end - base]
+            if block is not None:
+                return block[offset - base : end - base]
+            # Budget smaller than a block, or evicted again: read around the memory tier.
+            nbytes = end - offset
+            await self.cache.replies.acquire(nbytes)
+            try:
+                return await self._read_range(handle, offset, nbytes)
+            finally:
+                # The reply reaches the kernel before the trio thread runs anything else.
+                self.cache.replies.release(nbytes)
         # A read across blocks (the kernel's requests are rarely block-aligned) is assembled
-        # in a pooled buffer: no zero-filling, no fresh pages. Each piece is copied at once
-        # (the next block's fetch may wait, and this one may be evicted meanwhile).
+        # in a pooled buffer charged to the reply share: no zero-filling, no fresh pages.
+        # Each piece is copied at once (the next block's fetch may wait, and this one may be
+        # evicted meanwhile).
         pooled = end - offset <= self.cache.pool.buffer_size
-        buf = self.cache.pool.acquire() if pooled else bytearray(end - offset)
+        nbytes = self.cache.pool.buffer_size if pooled else end - offset
+        await self.cache.replies.acquire(nbytes)
+        buf: mmap.mmap | bytearray | None = None
         try:
+            buf = self.cache.pool.acquire() if pooled else bytearray(end - offset)
             out = memoryview(buf)[: end - offset]
             for index in range(first, last + 1):
                 base = index * bs
@@ -831,19 +857,37 @@ class FileSystem:
                 block = await self._block(
                     handle, index, to_end=hi == base + bs or hi == handle.size
                 )
-                out[lo - offset : hi - offset] = block[lo - base : hi - base]
+                if block is not None:
+                    out[lo - offset : hi - offset] = block[lo - base : hi - base]
+                else:
+                    # Around the memory tier, straight into the reply: no second buffer.
+                    await self._read_range_into(handle, lo, out[lo - offset : hi - offset])
         except BaseException:
             if isinstance(buf, mmap.mmap):
                 self.cache.pool.release(buf)
+            self.cache.replies.release(nbytes)
             raise
         if isinstance(buf, mmap.mmap):
             # The kernel copies the reply before the trio thread runs anything else: the
-            # buffer goes back to the pool when the next read starts.
+            # buffer goes back to the pool, and its bytes to the share, when the next read
+            # starts, or when a read waiting for the reply share wakes (poke) and reclaims it.
             self._reply_buffers.append(buf)
+            self.cache.replies.poke()
+        else:
+            self.cache.replies.release(nbytes)
         return out
 
-    async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | bytes:
-        """Block ``index`` of the handle's version, from the memory tier or fetched now."""
+    def _release_reply_buffers(self) -> None:
+        """Give back the pooled buffers of answered reads: any handler that runs comes after
+        their replies reached the kernel."""
+        while self._reply_buffers:
+            self.cache.pool.release(self._reply_buffers.pop())
+            self.cache.replies.release(self.cache.pool.buffer_size)
+
+    async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | None:
+        """Block ``index`` of the handle's version, from the memory tier or fetched now; None
+        if the tier cannot hold it (a budget smaller than a block, or evicted again before
+        it was read): the caller then reads around the tier."""
         key = self.fetcher.key(handle, index)
         if to_end:
             handle.served[index] = 1
@@ -851,15 +895,9 @@ class FileSystem:
         if data is not None:
             return data
         await self.fetcher.demand(handle, index)
-        data = self.cache.get_nowait(key, to_end=to_end)
-        if data is not None:
-            return data
-        # Budget smaller than a block, or repeated eviction: read around the memory tier.
-        return await self._read_range(
-            handle, index * self.block_size, self.fetcher.length(handle, index)
-        )
+        return self.cache.get_nowait(key, to_end=to_end)
 
-    async def _read_random(self, handle: Handle, offset: int, end: int) -> bytes | None:
+    async def _read_random(self, handle: Handle, offset: int, end: int) -> memoryview | None:
         """Bytes [offset, end) for a random read, or None to read through the block cache
         (some of its blocks are cached or on their way there)."""
         bs = self.block_size
@@ -868,30 +906,55 @@ class FileSystem:
         if any(self.cache.is_cached_or_pending(k) for k in keys):
             return None
         if self.disk is not None and self.disk.enabled:
-            found = await trio.to_thread.run_sync(
-                self.fetcher.read_disk_blocks,
-                handle,
-                indexes,
-                limiter=self.fetcher.disk_read_limiter,
-            )
-            if len(found) == len(indexes):
-                joined = b"".join(found[i] for i in indexes)
-                base = indexes[0] * bs
-                return joined[offset - base : end - base]
+            # The blocks read from disk, and their join, are charged to the reply share
+            # until the reply reaches the kernel (before the trio thread runs anything else).
+            nbytes = len(indexes) * bs * (2 if len(indexes) > 1 else 1)
+            await self.cache.replies.acquire(nbytes)
+            try:
+                found = await trio.to_thread.run_sync(
+                    self.fetcher.read_disk_blocks,
+                    handle,
+                    indexes,
+                    limiter=self.fetcher.disk_read_limiter,
+                )
+                if len(found) == len(indexes):
+                    base = indexes[0] * bs
+                    if len(indexes) == 1:
+                        return memoryview(found[indexes[0]])[offset - base : end - base]
+                    joined = b"".join(found[i] for i in indexes)
+                    return memoryview(joined)[offset - base : end - base]
+                del found
+            finally:
+                self.cache.replies.release(nbytes)
         start = offset // RANDOM_READ_ALIGN * RANDOM_READ_ALIGN
         stop = min(handle.size, ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
 
         async def fetch() -> bytes:
             return await self._read_range(handle, start, stop - start)
 
-        # Readers of the same range (other handles, other processes) share one GET.
-        data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
-        return data[offset - start : end - start]
+        # Readers of the same range (other handles, other processes) share one GET. Each
+        # charges the range to the reply share while it waits and until its reply reaches the
+        # kernel (the shared bytes may be counted more than once: never less than once).
+        nbytes = stop - start
+        await self.cache.replies.acquire(nbytes)
+        try:
+            data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
+            return memoryview(data)[offset - start : end - start]
+        finally:
+            self.cache.replies.release(nbytes)
 
     async def _read_range(self, handle: Handle, start: int, length: int) -> bytes:
         """One GET outside the block cache, with the same stale-version handling."""
         try:
             return await self.backend.read_range(handle.key, handle.etag, start, length)
+        except StaleObjectError:
+            self._forget_version(handle)
+            raise
+
+    async def _read_range_into(self, handle: Handle, start: int, out: memoryview) -> None:
+        """Fill ``out`` from ``start``, outside the block cache (one GET, same stale rule)."""
+        try:
+            await self.backend.read_into(handle.key, handle.etag, start, [out])
         except StaleObjectError:
             self._forget_version(handle)
             raise

@@ -376,10 +376,12 @@ class Telemetry:
                 "evictions": fs.get("evictions", 0),
                 "used_bytes": fs.get("cached_bytes", 0)
                 + fs.get("inflight_bytes", 0)
-                + fs.get("held_bytes", 0),
+                + fs.get("held_bytes", 0)
+                + fs.get("reply_bytes", 0),
                 "cached_bytes": fs.get("cached_bytes", 0),
+                "reply_bytes": fs.get("reply_bytes", 0),
                 "peak_bytes": fs.get("peak_bytes", 0),
-                "limit_bytes": fs.get("capacity_bytes", self.config.memory_limit_bytes),
+                "limit_bytes": fs.get("budget_bytes", self.config.memory_limit_bytes),
             },
             "disk": disk,
             "open_files": fs.get("open_files", 0),

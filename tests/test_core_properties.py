@@ -16,11 +16,13 @@ After every step:
 * every read that completed returned exactly the bytes of the version its handle was opened
   on (never another version's), or raised an ``ObjfsError`` with a cause: the handle was
   closed, the object replaced, or an injected store failure happened during the read;
-* ``0 <= fs.cache.used_bytes <= capacity_bytes`` and ``inflight_bytes >= 0``.
+* ``0 <= fs.cache.used_bytes <= capacity_bytes``, ``inflight_bytes >= 0``, the reply
+  buffers within their share, and the peak of both together within ``--memory-limit`` (plus,
+  only for a read larger than the reply share, which the kernel never sends, its excess).
 
 At the end of each mount, after closing every handle and letting the background work end:
-``inflight_bytes == 0``; at the end of the program the bytes fetched from the store stay
-within a bound (see :func:`fetch_bound`).
+``inflight_bytes == 0`` and ``reply_bytes == 0``; at the end of the program the bytes fetched
+from the store stay within a bound (see :func:`fetch_bound`).
 """
 
 from __future__ import annotations
@@ -258,6 +260,9 @@ class Model:
     violations: list[str] = field(default_factory=list)
     read_block_bytes: int = 0  # bytes of the blocks the reads touched
     slack_bytes: int = 0  # read-ahead a correct implementation may fetch and waste
+    # The largest single read so far: one larger than the reply share passes alone (the
+    # kernel never asks more than 1 MiB at once; this core test does, up to 8 MiB).
+    largest_read: int = 0
 
     def config(self) -> MountConfig:
         return MountConfig(
@@ -296,6 +301,7 @@ class Model:
         end = min(offset + size, len(h.data))
         if offset < end:
             self.read_block_bytes += ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
+            self.largest_read = max(self.largest_read, end - offset)
         faults = self.faults_fired
         try:
             got = bytes(await self.fs.read(h.fh, offset, size))
@@ -336,6 +342,12 @@ class Model:
         assert not self.violations, f"after {step}: {self.violations}"
         assert stats["inflight_bytes"] >= 0, f"after {step}: {stats}"
         assert 0 <= self.fs.cache.used_bytes <= stats["capacity_bytes"], f"after {step}: {stats}"
+        # Reply buffers have their own share of the same budget; together within it.
+        oversize = max(0, self.largest_read - stats["reply_capacity_bytes"])
+        assert 0 <= stats["reply_bytes"] <= stats["reply_capacity_bytes"] + oversize, (
+            f"after {step}: {stats}"
+        )
+        assert stats["peak_bytes"] <= stats["budget_bytes"] + oversize, f"after {step}: {stats}"
 
     async def open(self, file: int) -> None:
         faults = self.faults_fired
@@ -491,6 +503,7 @@ async def run_program(world: World, program: Sequence[Mount], tmp: str) -> None:
             model.check_step(f"closing mount {number}")
             stats = model.fs.cache.statistics()
             assert stats["inflight_bytes"] == 0, f"closed mount {number}: {stats}"
+            assert stats["reply_bytes"] == 0, f"closed mount {number}: {stats}"
             fs_nursery.cancel_scope.cancel()
         fetched = backend.requests["get_bytes"]
         note(f"fetched {fetched}, read blocks {model.read_block_bytes}, bound {fetch_bound(model)}")
