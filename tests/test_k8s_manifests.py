@@ -125,10 +125,10 @@ def check_objfs_container(container: dict[str, Any]) -> tuple[str, dict[str, str
         assert container[probe]["exec"]["command"] == ["objfs", "status", "--probe", mountpoint]
     security = container["securityContext"]
     assert security["privileged"] is True  # required for Bidirectional propagation
-    # The memory limit covers the budget, the disk-cache write queue outside it (at most a
-    # quarter of the budget) and the daemon's own overhead.
+    # The memory limit covers the budget (every data buffer, the disk-cache write queue
+    # included) and the daemon's own overhead (README, Sizing: limit + 256 MiB).
     limit = parse_size(container["resources"]["limits"]["memory"].replace("i", ""), option="x")
-    assert limit >= config.memory_limit_bytes * 5 // 4 + (512 << 20)
+    assert limit >= config.memory_limit_bytes + (256 << 20)
     assert (
         container["resources"]["requests"]["memory"] == container["resources"]["limits"]["memory"]
     )
@@ -585,10 +585,11 @@ def test_csi_workload_fits_together(name: str, spec: dict[str, Any]) -> None:
     assert size_limit(volumes[cache_mount["name"]]) > parse_size(
         attributes["cache-size"], option="x"
     )
-    # The container's memory covers the budget, the disk-cache write queue and the overhead.
+    # The container's memory covers the budget (every data buffer) and the overhead (README,
+    # Sizing: limit + 256 MiB).
     resources = objfs["resources"]
     limit = parse_size(resources["limits"]["memory"].replace("i", ""), option="x")
-    assert limit >= config.memory_limit_bytes * 5 // 4 + (512 << 20)
+    assert limit >= config.memory_limit_bytes + (256 << 20)
     assert resources["requests"]["memory"] == resources["limits"]["memory"]
     # The sidecar's own log lines and its mounts' agree.
     assert env_of(objfs).get("OBJFS_LOG_FORMAT", "text") == attributes.get("log-format", "text")
