@@ -69,9 +69,13 @@ def test_an_old_handle_never_reads_the_new_version(mount_s3: Any, s3: Any, bucke
     assert sha256(path.read_bytes()) == sha256(new)
 
 
+@pytest.mark.parametrize("outage", ["refused", "stopped"])
 def test_cached_files_stay_readable_while_the_store_is_unreachable(
-    mount_s3: Any, s3: Any, bucket: str, proxy: Proxy, tmp_path: Any
+    mount_s3: Any, s3: Any, bucket: str, proxy: Proxy, tmp_path: Any, outage: str
 ) -> None:
+    """``refused``: every new connection reset and every request on a kept-alive one too.
+    ``stopped``: the store's address stops answering (the proxy closes its listener and every
+    connection it carries), as when the store's process or host goes away."""
     data = os.urandom(6 * MiB)
     s3.put_object(Bucket=bucket, Key="model.safetensors", Body=data)
     s3.put_object(Bucket=bucket, Key="config.json", Body=b'{"a": 1}')
@@ -90,7 +94,10 @@ def test_cached_files_stay_readable_while_the_store_is_unreachable(
     assert sha256(model.read_bytes()) == sha256(data)
     assert (m.path / "config.json").read_bytes() == b'{"a": 1}'
     assert (m.path / "never-read.bin").stat().st_size == 1000
-    make_store_unreachable(proxy)
+    if outage == "refused":
+        make_store_unreachable(proxy)
+    else:
+        proxy.stop()
     time.sleep(3)  # every piece of metadata is past its TTL
     started = time.monotonic()
     assert model.stat().st_size == len(data)

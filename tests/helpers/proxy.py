@@ -206,7 +206,11 @@ class Proxy:
         return self
 
     def stop(self) -> None:
+        """Stop answering: the listener closes (a blocked ``accept`` is woken by the shutdown,
+        not by ``close``) and every connection carried so far is cut."""
         self._stopping.set()
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
         self._listener.close()
         with self._lock:
             for sock in list(self._sockets):
@@ -231,6 +235,9 @@ class Proxy:
             try:
                 client, _ = self._listener.accept()
             except OSError:
+                return
+            if self._stopping.is_set():
+                _reset(client)
                 return
             if self._refusing:
                 with self._lock:
