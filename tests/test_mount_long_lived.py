@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import subprocess
 import time
 from typing import Any
 
@@ -159,3 +160,29 @@ def test_an_empty_source_warns_at_mount(mount_s3: Any, s3: Any, bucket: str) -> 
     fine: Mount = mount_s3(f"s3://{bucket}/models/llama")
     assert (fine.path / "config.json").read_bytes() == b"{}"
     assert "holds no objects" not in fine.log()
+
+
+def test_a_stat_in_a_prefix_of_100k_keys_costs_three_requests(tmp_path: Any) -> None:
+    """Through a real mount of a 100,000-key prefix (a memory bucket served by a child: moto
+    would take minutes to fill): a fresh mount's stat of one name costs at most 3 store
+    requests (the first listing page shows the directory is big; then one HEAD and one
+    one-key listing under the name), and ``ls -l`` of the whole prefix still lists it all."""
+    from tests.helpers.serve_keys import generated_bytes
+    from tests.test_bad_input import serve_keys
+
+    count = 100_000
+    spec = {"generate": [{"prefix": "many/f", "count": count}], "source": "s3://memory/many"}
+    with serve_keys(tmp_path, spec) as m:
+        at_mount = status(m)["store"]["requests"]  # the mount's own check: one listing
+        assert os.stat(m.path / "f054321").st_size == len(generated_bytes(54_321))
+        after = status(m)["store"]["requests"]
+        cost = {op: after.get(op, 0) - at_mount.get(op, 0) for op in after}
+        assert sum(cost.values()) <= 3, (at_mount, after)
+        assert cost.get("get", 0) == 0, cost
+        listing = subprocess.run(
+            ["ls", "-l", str(m.path)], capture_output=True, text=True, timeout=300, check=True
+        ).stdout.splitlines()
+        assert listing[0].startswith("total")
+        assert len(listing) == count + 1
+        assert listing[-1].endswith(" f099999")
+        assert (m.path / "f099999").read_bytes() == generated_bytes(99_999)
