@@ -388,6 +388,7 @@ class Telemetry:
             "inodes": fs.get("inodes", 0),
             "metadata": {
                 "empty_source": bool(getattr(self.fs, "empty_source", False)),
+                "account_root": self.config.source.account_root,
                 "listings": fs.get("listings", 0),
                 "probes": fs.get("probes", 0),
                 "outages": fs.get("store_outages", 0),

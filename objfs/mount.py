@@ -409,11 +409,18 @@ async def serve_async(
     if not has_keys:
         # Mounting an empty prefix is legal (objects may come later), but it is mostly a typo.
         fs.empty_source = True
-        log.warning(
-            "%s holds no objects: the mount is empty; check SOURCE for a mistyped bucket "
-            "or prefix (a prefix is case-sensitive and has no leading slash)",
-            config.source.url(),
-        )
+        if config.source.account_root:
+            log.warning(
+                "%s: the credentials see no bucket or container: the mount is empty; check "
+                "the account (or endpoint) and which account the credentials belong to",
+                config.source.url(),
+            )
+        else:
+            log.warning(
+                "%s holds no objects: the mount is empty; check SOURCE for a mistyped bucket "
+                "or prefix (a prefix is case-sensitive and has no leading slash)",
+                config.source.url(),
+            )
     ops = ObjfsOperations(fs)
     telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     passed_fd = passed_fuse_fd(config.mountpoint)

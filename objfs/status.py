@@ -165,7 +165,10 @@ def format_status(s: dict[str, Any]) -> str:
     lines.append(f"  open files    {s['open_files']} ({s['inodes']} inodes known)")
     meta = s.get("metadata") or {}
     if meta.get("empty_source"):
-        lines.append("  source        held no objects at mount: is SOURCE mistyped?")
+        if meta.get("account_root"):
+            lines.append("  source        no bucket or container visible at mount: which account?")
+        else:
+            lines.append("  source        held no objects at mount: is SOURCE mistyped?")
     if meta.get("unreachable_for_s") is not None:
         lines.append(
             f"  store         UNREACHABLE for {_duration(meta['unreachable_for_s'])}: serving "

@@ -186,3 +186,18 @@ def test_a_stat_in_a_prefix_of_100k_keys_costs_three_requests(tmp_path: Any) -> 
         assert len(listing) == count + 1
         assert listing[-1].endswith(" f099999")
         assert (m.path / "f099999").read_bytes() == generated_bytes(99_999)
+
+
+def test_an_empty_account_root_warns_about_the_account(tmp_path: Any) -> None:
+    """``s3://`` with no bucket visible: the warning and ``status`` ask which account, not
+    whether a prefix is mistyped (a memory store with nothing in it, served by a child)."""
+    from tests.test_bad_input import serve_keys
+
+    with serve_keys(tmp_path, {"source": "s3://", "objects": {}}) as m:
+        assert os.listdir(m.path) == []
+        assert m.log().count("the credentials see no bucket or container") == 1
+        assert "mistyped" not in m.log()
+        figures = status(m)["metadata"]
+        assert figures["empty_source"] is True
+        assert figures["account_root"] is True
+        assert "which account?" in run_objfs("status", str(m.path)).stdout
