@@ -657,6 +657,20 @@ def test_bad_requests_are_refused_with_messages(plugin: Plugin) -> None:
     refused(invalid, "block devices", volume_capability={"block": {}})
     refused(invalid, "no CSI secrets", secrets={"key": "value"})
     refused(invalid, "outside the kubelet directory", target_path="/tmp/elsewhere/mount")
+    # Under the kubelet directory but not in the volumes of the pod the offer goes to.
+    other = plugin.pod()
+    refused(invalid, "not under the volumes of pod", target_path=str(other.target("bad")))
+    refused(
+        invalid,
+        "not under the volumes of pod",
+        target_path=str(plugin.kubelet / "plugins" / "x" / "mount"),
+    )
+    refused(
+        invalid,
+        "not under the volumes of pod",
+        target_path=str(plugin.kubelet / "pods" / pod.uid / "mount"),
+    )
+    assert not other.target("bad").exists()
     refused(invalid, "volume_id is missing", volume_id="")
     refused(
         grpc.StatusCode.FAILED_PRECONDITION,

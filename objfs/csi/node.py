@@ -3,7 +3,9 @@
 What NodePublishVolume does (idempotent under kubelet retries):
 
 1. checks the request and the volume attributes (:mod:`objfs.csi.volume`); the target must
-   lie under ``--kubelet-dir`` and the pod must have an emptyDir named ``objfs-fd``
+   lie under ``KUBELET_DIR/pods/POD_UID/volumes/`` of the pod named in the attributes (its
+   parent resolved, the target itself never stat-ed) and the pod must have an emptyDir named
+   ``objfs-fd``
    (``KUBELET_DIR/pods/POD_UID/volumes/kubernetes.io~empty-dir/objfs-fd/``). Refused with
    INVALID_ARGUMENT: block volumes, CSI secrets (``nodePublishSecretRef``: credentials are the
    sidecar's), mount flags other than ro, nosuid, nodev, noatime (the PV's ``mountOptions``).
@@ -229,6 +231,7 @@ class Node:
             spec = parse_volume_context(dict(request.volume_context), target)
         except VolumeContextError as exc:
             raise CsiError(grpc.StatusCode.INVALID_ARGUMENT, str(exc)) from None
+        self._check_pod_target(target, spec.pod_uid)
 
         with self._lock:
             existing = self._publications.get(target)
@@ -360,6 +363,20 @@ class Node:
                 f"{self.kubelet_dir}: check --kubelet-dir",
             )
         return target
+
+    def _pod_volumes_dir(self, pod_uid: str) -> str:
+        return os.path.join(self.kubelet_dir, "pods", pod_uid, "volumes")
+
+    def _check_pod_target(self, target: str, pod_uid: str) -> None:
+        """The target (a real path) must lie in the volumes of the pod the offer goes to: the
+        sidecar of the pod named in the volume attributes gets the mount, so a target of
+        another pod (or outside any pod) would hand that pod's sidecar a mount elsewhere."""
+        if not target.startswith(self._pod_volumes_dir(pod_uid) + os.sep):
+            raise CsiError(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"target_path {target} is not under the volumes of pod {pod_uid} "
+                f"({self._pod_volumes_dir(pod_uid)})",
+            )
 
     @staticmethod
     def _check_capability(request: Any) -> None:
