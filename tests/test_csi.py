@@ -945,3 +945,50 @@ def test_a_target_unmounted_behind_the_plugin_is_published_again(plugin: Plugin)
     assert mounts_under(plugin.base) == [str(target)]
     assert "no longer mounted: publishing it again" in plugin.log.read_text()
     plugin.unpublish("vol-a", target)
+
+
+def test_a_mount_no_sidecar_serves_in_time_ends_instead_of_hanging_host_tools(
+    plugin: Plugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar that keeps answering an error (bad credentials) never serves the mount: after
+    the wait limit the plugin ends the connection, so a stat of the target on the host fails
+    with ENOTCONN instead of blocking, and the next sidecar gets a fresh mount."""
+    assert plugin.stop() == 0
+    monkeypatch.setenv("OBJFS_CSI_SIDECAR_WAIT_S", "2")
+    plugin.start()
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    path = str(pod.short_fd_dir() / socket_name("vol-a", str(target)))
+    offer = fdpass.take(path)
+    try:
+        offer.fail("access denied by the test")
+    finally:
+        offer.close()
+    wait_log(plugin, "access denied by the test")
+    wait_log(plugin, "no sidecar served", timeout_s=30)
+    code = (
+        "import errno, os, sys\n"
+        "try:\n"
+        "    os.stat(sys.argv[1])\n"
+        "except OSError as e:\n"
+        "    print(errno.errorcode.get(e.errno, e.errno)); sys.exit(3)\n"
+    )
+    started = time.monotonic()
+    proc = run_reader(code, str(target), timeout_s=20)
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    assert proc.stdout.strip() == "ENOTCONN"
+    assert time.monotonic() - started < 10
+    proc = run_reader("import os, sys; os.statvfs(sys.argv[1])", str(target), timeout_s=20)
+    assert proc.returncode != 0
+
+    # The next sidecar gets a fresh connection, stacked on the dead mount.
+    offer = fdpass.take(path)
+    try:
+        assert len(os.read(offer.fd, 1 << 20)) > 0  # the fresh connection's INIT
+    finally:
+        offer.close()
+    wait_log(plugin, "replaced the mount")
+    assert mounts_under(plugin.base) == [str(target), str(target)]
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []

@@ -16,7 +16,13 @@ What NodePublishVolume does (idempotent under kubelet retries):
    the directory is private to the pod and the sidecar runs as any uid) and writes a small
    JSON state file under ``KUBELET_DIR/plugins/csi.objfs.dev/state/``;
 4. returns without waiting for the sidecar. Until a sidecar takes the fd, file operations on
-   the mount wait in the kernel (a reader blocks; it is not an error).
+   the mount wait in the kernel (a reader blocks; it is not an error), for at most
+   :data:`SIDECAR_WAIT_LIMIT_S` (10 minutes; the environment variable
+   ``OBJFS_CSI_SIDECAR_WAIT_S`` overrides it, in seconds): a mount that no sidecar has
+   answered ``ok`` for by then (none came, or each answered an error such as bad credentials)
+   is marked dead and the node plugin closes its fd, so the waiting operations, and any host
+   tool that stats the target (df, node-exporter), fail with ENOTCONN instead of blocking for
+   good. The next sidecar that connects gets a fresh mount, as after a sidecar restart.
 
 A thread per published target then offers the fd to each sidecar that connects
 (:func:`objfs.fdpass.send_offer`). When the sidecar answers ``ok``, the node plugin closes its
@@ -79,6 +85,7 @@ import signal
 import socket
 import stat
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import FrameType
@@ -112,6 +119,12 @@ log = logging.getLogger("objfs.csi")
 
 #: How long a sidecar has to answer an offer before the node plugin drops the connection.
 OFFER_REPLY_TIMEOUT_S = 60.0
+#: How long a mount may wait for a sidecar's ``ok`` (no sidecar, or one that keeps answering
+#: ``error``) before the node plugin closes its fd and marks it dead: until then any process
+#: on the node that stats the target (df, node-exporter) blocks in the kernel. The
+#: environment variable :data:`WAIT_LIMIT_ENV` overrides it (seconds; for tests).
+SIDECAR_WAIT_LIMIT_S = 600.0
+WAIT_LIMIT_ENV = "OBJFS_CSI_SIDECAR_WAIT_S"
 #: How often blocking socket calls wake up to see whether the target is being unpublished.
 _POLL_S = 0.5
 #: After the sidecar's ``ok``, how long the read-ahead is watched: the kernel lowers it when it
@@ -153,6 +166,8 @@ class Publication:
     #: "waiting" (fd held, no sidecar yet), "served", "dead" (sidecar gone) or "unknown"
     #: (found after a restart of the node plugin)
     state: str = "waiting"
+    #: time.monotonic() when the current mount started waiting for a sidecar's ``ok``
+    waiting_since: float = 0.0
     listener: socket.socket | None = None
     dir_fd: int = -1
     thread: threading.Thread | None = None
@@ -189,6 +204,7 @@ class Node:
         self.state_dir = os.path.join(self.kubelet_dir, "plugins", DRIVER_NAME, "state")
         self._publications: dict[str, Publication] = {}
         self._lock = threading.Lock()
+        self.wait_limit_s = _wait_limit()
 
     # -- Identity ----------------------------------------------------------------------------
 
@@ -429,6 +445,7 @@ class Node:
             raise CsiError(code, f"mounting {pub.target} failed: {exc.strerror}{hint}") from None
         pub.fd = fd
         pub.state = "waiting"
+        pub.waiting_since = time.monotonic()
 
     def _listen(self, pub: Publication) -> None:
         """Binds the offer socket in the pod's objfs-fd directory (through a directory fd:
@@ -491,6 +508,7 @@ class Node:
         listener = pub.listener
         assert listener is not None
         while not pub.stop.is_set():
+            self._expire_waiting(pub)
             try:
                 conn, _ = listener.accept()
             except TimeoutError:
@@ -514,6 +532,29 @@ class Node:
                 with pub.lock:
                     pub.active = None
                 conn.close()
+
+    def _expire_waiting(self, pub: Publication) -> None:
+        """Marks the mount dead once it waited :attr:`wait_limit_s` for a sidecar's ``ok``.
+
+        Until a server reads its INIT request, every stat of the target (df, node-exporter on
+        the host) blocks in the kernel. Closing the node plugin's copy of the fd ends the FUSE
+        connection (if no sidecar holds one), so those fail with ENOTCONN instead; the next
+        sidecar that connects gets a fresh mount stacked on top, as after a sidecar died."""
+        with pub.lock:
+            if pub.stop.is_set() or pub.state != "waiting" or pub.fd < 0:
+                return
+            waited = time.monotonic() - pub.waiting_since
+            if waited < self.wait_limit_s:
+                return
+            close_quietly(pub.fd)
+            pub.fd = -1
+            pub.state = "dead"
+        log.warning(
+            "no sidecar served %s within %g s: ending its FUSE connection (readers get "
+            "ENOTCONN); the next sidecar that connects gets a fresh mount",
+            pub.target,
+            self.wait_limit_s,
+        )
 
     def _offer(self, pub: Publication, conn: socket.socket) -> None:
         with pub.lock:
@@ -673,6 +714,20 @@ class Node:
                 close_quietly(pub.fd)
                 pub.fd = -1
             self._publications.clear()
+
+
+def _wait_limit() -> float:
+    """:data:`SIDECAR_WAIT_LIMIT_S`, or the seconds in :data:`WAIT_LIMIT_ENV` when set."""
+    value = os.environ.get(WAIT_LIMIT_ENV, "").strip()
+    if not value:
+        return SIDECAR_WAIT_LIMIT_S
+    try:
+        seconds = float(value)
+    except ValueError:
+        raise UsageError(f"{WAIT_LIMIT_ENV}={value!r}: give a number of seconds") from None
+    if not seconds > 0:
+        raise UsageError(f"{WAIT_LIMIT_ENV}={value!r}: give a positive number of seconds")
+    return seconds
 
 
 def _objfs_mount(target: str) -> str | None:
