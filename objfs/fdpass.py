@@ -8,7 +8,15 @@ a Unix socket in the pod's ``objfs-fd`` emptyDir; the sidecar (``objfs sidecar -
 2. the node plugin sends one message: a 4-byte big-endian length, then that many bytes of UTF-8
    JSON (the :class:`Offer` payload: ``source``, ``options``, ``volume_id``, ``target_path``,
    ``version``), with the fd attached to the first byte as ``SCM_RIGHTS`` ancillary data;
-3. the sidecar answers one line: ``ok`` once it serves the fd, or ``error MESSAGE``;
+3. the sidecar answers one line: ``ok`` once it serves the fd, or ``error MESSAGE`` only if
+   nothing ever read the fd (the options were refused, or its server failed before it got as
+   far as the FUSE session): the node plugin then keeps its copy and offers that same fd to
+   the next connection. Whenever the fd may have been read (its server died or was stopped
+   after it set up the session, or could not say), the sidecar closes the connection without
+   an answer: the kernel's INIT request may be consumed and unanswered, so that connection is
+   spoiled. The node plugin then drops its copy (the kernel ends the connection: ENOTCONN)
+   and offers a fresh mount of the same target to the next connection. So: ``error`` means
+   "the fd was never read"; no answer means "drop it";
 4. the sidecar keeps the connection open for as long as it serves. The node plugin reads end
    of file on it when the sidecar is gone (exited, killed, or stopped serving).
 
@@ -111,8 +119,16 @@ class Offer:
         self._answer(b"ok\n")
 
     def fail(self, message: str) -> None:
-        """Tells the node plugin why this fd will not be served (one line)."""
+        """Tells the node plugin why this fd will not be served (one line).
+
+        Only for an fd that nothing has read: the node plugin offers the same fd again. If it
+        may have been read, :meth:`close` without an answer instead.
+        """
         self._answer(b"error " + " ".join(message.split()).encode()[:4000] + b"\n")
+
+    @property
+    def answered(self) -> bool:
+        return self._answered
 
     def _answer(self, line: bytes) -> None:
         if self._answered:

@@ -16,10 +16,15 @@ Invariants:
   spawned), the child (this process closes its copy right after spawning, so the mount's
   connection ends when the child does);
 * the offer's connection is open iff its child starts or serves: it is answered ``ok`` once
-  the child serves (its status file appeared), ``error MESSAGE`` if the options are refused or
-  the child fails first, and closed when the child exits, so the node plugin sees end of file
-  and, on the next connection, offers a fresh mount of the same target (a restarted sidecar
-  takes over the same way);
+  the child serves (its status file appeared), and closed when the child exits, so the node
+  plugin sees end of file and, on the next connection, offers a fresh mount of the same target
+  (a restarted sidecar takes over the same way);
+* ``error MESSAGE`` answers an offer only if its fd was provably never read: the options are
+  refused, the child cannot be started, or the child exited without leaving its
+  :data:`FD_USED_FILE` mark (written just before ``pyfuse3.init``; from then on it may have
+  read the kernel's INIT request, and that fd must not be offered again). Any other child that
+  did not serve (killed, stopped, failed later, mark unreadable) has its connection closed
+  without an answer: the node plugin drops that fd and mounts afresh;
 * credentials come only from this process's environment and files (``credentials-file``,
   ``sas-token-file`` name files in this container), never from an offer; log lines carry
   sources, volume ids and option names, never option values;
@@ -91,6 +96,12 @@ _REFUSED_OPTIONS = {"foreground", "daemon-ready-fd", "help"}
 # no mount options either way.
 _POD_INFO_PREFIX = "csi.storage.k8s.io/"
 _PR_SET_PDEATHSIG = 1
+#: A child writes this file in its run dir just before ``pyfuse3.init``: without it, the child
+#: never touched its fd.
+FD_USED_FILE = "fd-used"
+_FD_USED_ENV = "OBJFS_SIDECAR_FD_USED_FILE"
+# The child's command: ``objfs mount`` that marks FD_USED_FILE before it sets up the session.
+_CHILD_CODE = "import sys; from objfs.sidecar_fd import child_main; sys.exit(child_main())"
 
 
 # -- options ---------------------------------------------------------------------------------
@@ -171,6 +182,29 @@ def _die_with_parent_fn() -> Any:
     return preexec
 
 
+def child_main(argv: list[str] | None = None) -> int:
+    """A child: ``objfs ARGV`` (``mount SOURCE /dev/fd/N ...``) that leaves its mark first.
+
+    Just before ``pyfuse3.init`` takes the fd (the kernel's INIT request is read from then on)
+    it creates the file named by ``$OBJFS_SIDECAR_FD_USED_FILE``. If that fails, it never
+    calls ``pyfuse3.init``: no mark always means an untouched fd.
+    """
+    import pyfuse3
+
+    from objfs.cli import main
+
+    marker = os.environ.pop(_FD_USED_ENV, "")
+    init = pyfuse3.init
+
+    def marked_init(*args: Any, **kwargs: Any) -> Any:
+        if marker:
+            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        return init(*args, **kwargs)
+
+    setattr(pyfuse3, "init", marked_init)  # noqa: B010 - objfs.mount calls pyfuse3.init
+    return main(sys.argv[1:] if argv is None else argv)
+
+
 @dataclass
 class _Child:
     """One ``objfs mount /dev/fd/N`` child and the offer whose fd it serves."""
@@ -186,10 +220,24 @@ class _Child:
     stop_deadline: float | None = None
     partial: bytes = b""
     error: str = ""
+    # The error answer for the offer, if it turns out that the fd was never read.
+    fail_message: str = "the sidecar stopped the mount"
 
     def status_written(self) -> bool:
         with contextlib.suppress(OSError):
             return any(n.endswith(".json") for n in os.listdir(self.run_dir))
+        return False
+
+    def fd_untouched(self) -> bool:
+        """True only if the child exited and provably never read its fd (no mark)."""
+        if self.proc.poll() is None:
+            return False
+        try:
+            os.lstat(os.path.join(self.run_dir, FD_USED_FILE))
+        except FileNotFoundError:
+            return True
+        except OSError:
+            pass
         return False
 
 
@@ -373,11 +421,12 @@ class FdSidecar:
         shutil.rmtree(run_dir, ignore_errors=True)  # a status file of an earlier child
         env = {k: v for k, v in os.environ.items() if k != "NOTIFY_SOCKET"}
         env["OBJFS_RUNTIME_DIR"] = run_dir
+        env[_FD_USED_ENV] = os.path.join(run_dir, FD_USED_FILE)
         fd = offer.detach_fd()
         cmd = [
             sys.executable or "python3",
-            "-m",
-            "objfs",
+            "-c",
+            _CHILD_CODE,
             "mount",
             offer.source,
             f"/dev/fd/{fd}",
@@ -473,7 +522,8 @@ class FdSidecar:
                             if now - child.started_at > _READY_TIMEOUT_S
                             else "the node plugin stopped waiting for this sidecar's answer"
                         )
-                        child.offer.fail(message)
+                        # Answered once it exited: `error` only if it never read the fd.
+                        child.fail_message = message
                         self._stop_child(child)
                         if volume is not None:
                             volume.child = None
@@ -484,7 +534,7 @@ class FdSidecar:
             how = f"exit status {code}" if code >= 0 else f"killed by {_signame(-code)}"
             if child.served_since is None:
                 message = child.error or f"objfs mount stopped ({how}) before serving"
-                child.offer.fail(message)
+                child.fail_message = message
             self._reap(child)
             if volume is None:
                 continue
@@ -523,7 +573,18 @@ class FdSidecar:
             with contextlib.suppress(KeyError, ValueError):
                 self.selector.unregister(pipe)
             pipe.close()
-        child.offer.fail("the sidecar stopped the mount")  # only if not answered yet
+        if not child.offer.answered:
+            if child.fd_untouched():
+                child.offer.fail(child.fail_message)
+            else:
+                # It may have read the kernel's INIT request: that fd is spoiled. No answer,
+                # so the node plugin drops it and offers a fresh mount next time.
+                log.info(
+                    "%s: objfs (pid %d) set up its FUSE session but did not serve: closing "
+                    "without an answer, for a fresh mount",
+                    child.name,
+                    child.proc.pid,
+                )
         child.offer.close()
         shutil.rmtree(child.run_dir, ignore_errors=True)
         if child in self.children:

@@ -32,7 +32,7 @@ from typing import Any
 import psutil
 import pytest
 
-from objfs import fdpass
+from objfs import fdpass, sidecar_fd
 from objfs.demo import LocalServer
 from objfs.errors import UsageError
 from objfs.sidecar_fd import READY_FILE, STATUS_FILE, mount_arguments
@@ -505,3 +505,164 @@ def test_mount_arguments_follow_objfs_mount() -> None:
     ):
         with pytest.raises(UsageError, match=message):
             mount_arguments("s3://b/p", bad)
+
+
+# -- `error` only for an fd nothing read --------------------------------------------------------
+
+
+def run_child(fd: int, source: str, marker: Path, url: str) -> subprocess.Popen[bytes]:
+    """The sidecar's child command, serving ``fd``; it marks ``marker`` before pyfuse3.init."""
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            sidecar_fd._CHILD_CODE,
+            "mount",
+            source,
+            f"/dev/fd/{fd}",
+            f"--endpoint-url={url}",
+            "--foreground",
+        ],
+        pass_fds=(fd,),
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={
+            **os.environ,
+            "OBJFS_RUNTIME_DIR": str(marker.parent),
+            sidecar_fd._FD_USED_ENV: str(marker),
+        },
+    )
+
+
+def test_the_child_marks_its_fd_before_init_and_only_then(
+    tmp_path: Path, s3_server: LocalServer, s3: Any, bucket: str
+) -> None:
+    put(s3, bucket, {"p/x.txt": b"x"})
+    target = tmp_path / "target"
+    target.mkdir()
+    fd = fuse_mount(str(target))
+    try:
+        # Refused by the store check, before the FUSE session: no mark, the fd is untouched.
+        marker = tmp_path / "missing" / sidecar_fd.FD_USED_FILE
+        marker.parent.mkdir()
+        proc = run_child(fd, f"s3://{bucket}-missing/p", marker, s3_server.url)
+        _, err = proc.communicate(timeout=60)
+        assert proc.returncode != 0
+        assert b"does not exist" in err
+        assert not marker.exists()
+
+        # Past the check: the mark is there before it serves (its status file appears).
+        marker = tmp_path / "good" / sidecar_fd.FD_USED_FILE
+        marker.parent.mkdir()
+        proc = run_child(fd, f"s3://{bucket}/p", marker, s3_server.url)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while not any(n.endswith(".json") for n in os.listdir(marker.parent)):
+                assert proc.poll() is None, proc.communicate()[1]
+                assert time.monotonic() < deadline, "the child did not serve"
+                time.sleep(0.05)
+            assert marker.exists()
+        finally:
+            proc.kill()
+            proc.communicate(timeout=30)
+    finally:
+        os.close(fd)
+        lazy_umount(str(target))
+
+
+class _FakeChildWorld:
+    """An in-process sidecar with one child (any command) whose offer comes on a socketpair."""
+
+    def __init__(self, base: Path) -> None:
+        self.base = base
+        self.sidecar = sidecar_fd.FdSidecar(str(base), str(base))
+        self.node_end, conn = socket.socketpair()
+        self.node_end.settimeout(WAIT_S)
+        self.offer = fdpass.Offer(fd=-1, payload={"source": "s3://b/p"}, conn=conn)
+        self.run_dir = base / "run"
+        self.run_dir.mkdir()
+
+    def start(self, code: str) -> sidecar_fd._Child:
+        proc = subprocess.Popen([sys.executable, "-c", code], cwd=self.run_dir)
+        child = sidecar_fd._Child(
+            name="v.sock",
+            proc=proc,
+            offer=self.offer,
+            source="s3://b/p",
+            volume_id="v",
+            run_dir=str(self.run_dir),
+            started_at=time.monotonic(),
+        )
+        self.sidecar.children.append(child)
+        return child
+
+    def answer(self) -> bytes:
+        """What the node plugin reads: b"" is end of file without an answer."""
+        deadline = time.monotonic() + WAIT_S
+        while self.sidecar.children:
+            assert time.monotonic() < deadline, "the child was never reaped"
+            self.sidecar._check_children()
+            time.sleep(0.05)
+        return self.node_end.recv(4096)
+
+    def close(self) -> None:
+        for child in self.sidecar.children:
+            child.proc.kill()
+            child.proc.wait()
+        self.node_end.close()
+        self.offer.close()
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Iterator[_FakeChildWorld]:
+    world = _FakeChildWorld(tmp_path)
+    try:
+        yield world
+    finally:
+        world.close()
+
+
+MARK = f"open({sidecar_fd.FD_USED_FILE!r}, 'w').close()\n"
+
+
+def test_a_child_that_fails_before_init_is_answered_with_its_error(
+    fake: _FakeChildWorld,
+) -> None:
+    fake.start(
+        "import sys; print('objfs: error: bucket b does not exist', file=sys.stderr); sys.exit(5)"
+    )
+    assert fake.answer().startswith(b"error objfs mount stopped (exit status 5)")
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        # Died after init, before the sidecar saw it serve (OOM, a crash): its status file may
+        # even be there already.
+        MARK + "open('objfs.json', 'w').close(); import os; os.kill(os.getpid(), 9)",
+        MARK + "import sys; sys.exit(1)",
+        MARK + "import sys; sys.exit(2)",
+    ],
+)
+def test_a_child_that_may_have_read_its_fd_gets_no_answer(fake: _FakeChildWorld, code: str) -> None:
+    fake.start(code)
+    assert fake.answer() == b""
+
+
+def test_a_child_that_does_not_serve_in_time_is_answered_only_if_it_never_read_the_fd(
+    fake: _FakeChildWorld,
+) -> None:
+    # Stuck before init (say, in the store check): stopped, then answered with an error.
+    child = fake.start("import time; time.sleep(60)")
+    child.started_at -= sidecar_fd._READY_TIMEOUT_S + 1
+    assert fake.answer().startswith(b"error objfs did not serve within")
+
+
+def test_a_child_stopped_after_init_gets_no_answer(fake: _FakeChildWorld) -> None:
+    child = fake.start(MARK + "import time; time.sleep(60)")
+    deadline = time.monotonic() + WAIT_S
+    while not (fake.run_dir / sidecar_fd.FD_USED_FILE).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    child.started_at -= sidecar_fd._READY_TIMEOUT_S + 1
+    assert fake.answer() == b""
