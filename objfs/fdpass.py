@@ -41,6 +41,8 @@ PROTOCOL_VERSION = 1
 #: The options of one mount fit in a few KiB; anything larger is a bug or an attack.
 MAX_PAYLOAD_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")
+# The longest path connect(2) takes on Linux (sun_path is 108 bytes with its NUL).
+_MAX_SUN_PATH = 107
 
 
 class FdPassError(Exception):
@@ -152,16 +154,33 @@ class Offer:
             self.conn.close()
 
 
+def _connect(conn: socket.socket, path: str) -> None:
+    """``conn.connect(path)``, also for a path longer than a socket address takes.
+
+    A long path is reached through its directory's fd (``/proc/self/fd/N/NAME``), as the node
+    plugin binds it.
+    """
+    if len(os.fsencode(path)) <= _MAX_SUN_PATH:
+        conn.connect(path)
+        return
+    directory, name = os.path.split(path)
+    dir_fd = os.open(directory or ".", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        conn.connect(f"/proc/self/fd/{dir_fd}/{name}")
+    finally:
+        os.close(dir_fd)
+
+
 def take(path: str, timeout_s: float = 10.0) -> Offer:
     """Connects to the node plugin's socket at ``path`` and receives its fd and payload.
 
     Raises :class:`FdPassError` (nobody listening, timeout, bad message, unknown version) or
-    ``OSError`` from ``connect``.
+    ``OSError`` from ``connect`` (``ENOENT`` for a missing socket or directory).
     """
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.settimeout(timeout_s)
-        conn.connect(path)
+        _connect(conn, path)
         try:
             head, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, 4)
         except TimeoutError as exc:

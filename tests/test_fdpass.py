@@ -11,11 +11,20 @@ import pytest
 from objfs import fdpass
 
 
+def _bind(listener: socket.socket, path: str) -> None:
+    """Binds ``path`` through its directory's fd, as the node plugin does for a long path."""
+    dir_fd = os.open(os.path.dirname(path), os.O_PATH | os.O_DIRECTORY)
+    try:
+        listener.bind(f"/proc/self/fd/{dir_fd}/{os.path.basename(path)}")
+    finally:
+        os.close(dir_fd)
+
+
 def _serve_once(
     path: str, fd: int, payload: dict[str, object], replies: list[object]
 ) -> socket.socket:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    _bind(listener, path)
     listener.listen(1)
 
     def run() -> None:
@@ -104,3 +113,35 @@ def test_nobody_offering_times_out(tmp_path: object) -> None:
             fdpass.take(path, timeout_s=0.3)
     finally:
         listener.close()
+
+
+def test_a_socket_in_a_long_directory_is_reached(tmp_path: object) -> None:
+    # Longer than a socket address takes (108 bytes): reached through the directory's fd.
+    directory = os.path.join(str(tmp_path), *["d" * 60] * 3)
+    os.makedirs(directory)
+    path = os.path.join(directory, "0123456789abcdef-volume.sock")
+    assert len(path) > 200
+    r, w = os.pipe()
+    replies: list[object] = []
+    listener = _serve_once(path, w, {"source": "s3://b/p"}, replies)
+    try:
+        offer = fdpass.take(path, timeout_s=5)
+        assert offer.source == "s3://b/p"
+        offer.ready()
+        offer.close()
+        for _ in range(100):
+            if len(replies) == 2:
+                break
+            threading.Event().wait(0.05)
+        assert replies == [None, b""]
+        # Nobody listening there any more: the same errors as for a short path.
+        listener.close()
+        with pytest.raises(ConnectionRefusedError):
+            fdpass.take(path, timeout_s=1)
+        os.unlink(path)
+        with pytest.raises(FileNotFoundError):
+            fdpass.take(path, timeout_s=1)
+    finally:
+        listener.close()
+        os.close(r)
+        os.close(w)
