@@ -14,6 +14,7 @@ import contextlib
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -990,5 +991,35 @@ def test_a_mount_no_sidecar_serves_in_time_ends_instead_of_hanging_host_tools(
         offer.close()
     wait_log(plugin, "replaced the mount")
     assert mounts_under(plugin.base) == [str(target), str(target)]
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+
+
+def test_an_offer_that_cannot_be_sent_keeps_the_mount(plugin: Plugin) -> None:
+    """A sidecar gone before the offer was sent never had the fd: the plugin keeps it (no
+    fresh mount) and offers it to the next one."""
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    path = str(pod.short_fd_dir() / socket_name("vol-a", str(target)))
+    first = fdpass.take(path)  # the plugin now waits for its answer
+    try:
+        # A second sidecar connects and goes away while the first one holds the offer: the
+        # plugin accepts it only after, and its send fails (EPIPE).
+        gone = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        gone.connect(path)
+        gone.close()
+        first.fail("refused by the test")
+    finally:
+        first.close()
+    wait_log(plugin, "could not offer")
+    offer = fdpass.take(path)  # the same mount, offered again
+    try:
+        assert len(os.read(offer.fd, 1 << 20)) > 0  # its INIT, still unread
+    finally:
+        offer.close()
+    log = plugin.log.read_text()
+    assert "replaced the mount" not in log
+    assert log.count("the next one gets a fresh mount") <= 1
     plugin.unpublish("vol-a", target)
     assert mounts_under(plugin.base) == []

@@ -40,8 +40,9 @@ restarts. A target thus holds one dead mount per sidecar restart (or sidecar gon
 answering), all beneath the live one and all removed at unpublish; "mounted", the device number
 (kernel tuning) and restart recovery read the topmost one from mountinfo
 (:func:`objfs.csi.fusemount.mounted`). A sidecar that answers an error, or
-nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped. After an error answer the fd is kept
-for the next one; after none (the sidecar died or went silent with the fd in hand, and its
+nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped. After an error answer, or an offer
+that could not be sent (the sidecar was gone before it), the fd is kept for the next one; after
+none (the sidecar died or went silent with the fd in hand, and its
 server may have read requests nobody will answer) the node plugin closes its copy, so the
 kernel ends that connection instead of leaving those readers blocked, and the next sidecar gets
 a fresh mount on top, as after a restart.
@@ -567,6 +568,20 @@ class Node:
             fd = pub.fd
         try:
             fdpass.send_offer(conn, fd, pub.payload())
+        except (fdpass.FdPassError, OSError) as exc:
+            # Not sent (the sidecar went away before the offer, EPIPE): the fd rides on the
+            # first segment, so nobody received it and nobody read from it; keep it for the
+            # next sidecar. (Were part of the offer sent before the error, a peer that read the
+            # fd and then died could have taken requests from it: the wait limit still ends
+            # such a connection, see _expire_waiting.)
+            if not pub.stop.is_set():
+                log.warning(
+                    "could not offer %s to a sidecar: %s; keeping the mount for the next one",
+                    pub.target,
+                    exc,
+                )
+            return
+        try:
             answer = fdpass.read_reply(conn, OFFER_REPLY_TIMEOUT_S)
         except (fdpass.FdPassError, OSError) as exc:
             if pub.stop.is_set():
