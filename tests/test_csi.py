@@ -484,6 +484,21 @@ def test_bad_volume_context_is_refused(context: dict[str, str], message: str) ->
     assert SECRET not in text
 
 
+def test_an_unset_memory_limit_is_left_to_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default memory limit is a share of the sidecar's memory, not the node plugin's: a
+    node plugin in a small container must not refuse a part size the sidecar would accept."""
+    import objfs.cli
+
+    monkeypatch.setattr(objfs.cli, "default_memory_limit", lambda: 64 << 20)
+    target = "/k/pods/x/volumes/kubernetes.io~csi/m/mount"
+    spec = parse_volume_context({**POD, "source": "s3://bucket-a", "part-size": "64M"}, target)
+    assert spec.options == {"part-size": "64M"}  # no memory-limit passed on to the sidecar
+    with pytest.raises(VolumeContextError, match="below two parts"):
+        parse_volume_context(
+            {**POD, "source": "s3://bucket-a", "part-size": "64M", "memory-limit": "64M"}, target
+        )
+
+
 def test_missing_pod_uid_is_refused() -> None:
     with pytest.raises(VolumeContextError, match="podInfoOnMount"):
         parse_volume_context({"source": "s3://bucket-a"}, "/t")

@@ -225,6 +225,8 @@ class _ParseError(Exception):
 
 
 _PARSER_LOCK = threading.Lock()
+#: What the check uses when a volume sets no ``memory-limit``: two of the largest parts.
+_UNSET_MEMORY_LIMIT = "2G"
 
 
 def _check_mount_argv(argv: list[str]) -> MountConfig:
@@ -247,6 +249,11 @@ def _check_mount_argv(argv: list[str]) -> MountConfig:
         raise VolumeContextError(f"volume attributes: {message}") from None
     # A file inside the sidecar's container: the node plugin cannot read it (and must not).
     args.credentials_file = None
+    if args.memory_limit is None:
+        # The default is a share of the memory of the process that mounts: the sidecar's
+        # container, not the node plugin's. Checked against the largest part size here, so
+        # only the sidecar's own run of `objfs mount` judges the default.
+        args.memory_limit = _UNSET_MEMORY_LIMIT
     try:
         return _mount_config(args)
     except ObjfsError as exc:
