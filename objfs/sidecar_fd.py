@@ -8,10 +8,11 @@ session per process).
 
 Invariants:
 
-* at most one child per socket; a socket whose file disappears (the volume was unpublished)
-  gets its child stopped. A socket bound anew under the same name (a restarted node plugin)
-  leaves a serving child alone, and a child's answer is due before the node plugin stops
-  waiting for it (:data:`_READY_TIMEOUT_S`);
+* at most one child per socket; a socket whose file stays away for :data:`_GONE_AFTER_S`
+  (the volume was unpublished) gets its child stopped. A socket bound anew under the same name
+  (a restarted node plugin, which unlinks and binds again) leaves a serving child alone, and a
+  child's answer is due before the node plugin stops waiting for it
+  (:data:`_READY_TIMEOUT_S`);
 * an fd is owned by exactly one of: the :class:`~objfs.fdpass.Offer` (until the child is
   spawned), the child (this process closes its copy right after spawning, so the mount's
   connection ends when the child does);
@@ -90,6 +91,9 @@ _HEALTHY_AFTER_S = 60.0
 # that a child never serves an fd the node plugin still holds.
 _READY_TIMEOUT_S = 55.0
 _STATUS_INTERVAL_S = 1.0
+# How long a socket file must stay away before its child is stopped: a restarting node plugin
+# unlinks the socket, then binds it again.
+_GONE_AFTER_S = 3.0
 # Options an offer may not set: the sidecar decides them.
 _REFUSED_OPTIONS = {"foreground", "daemon-ready-fd", "help"}
 # Keys the kubelet adds to volume attributes; the node plugin should drop them, but they are
@@ -255,6 +259,8 @@ class _Volume:
     error: str = ""
     taken: int = 0
     info: dict[str, Any] = field(default_factory=dict)
+    # When a scan first found the socket file missing (None: present at the last scan).
+    missing_since: float | None = None
 
 
 def _is_socket(path: str) -> bool:
@@ -368,16 +374,24 @@ class FdSidecar:
         for name in sorted(names):
             if name.endswith(".sock") and _is_socket(os.path.join(self.fd_dir, name)):
                 present.add(name)
-        for name, volume in list(self.volumes.items()):
-            # Only a removed socket stops its child. A socket bound anew under the same name
-            # (a restarted node plugin listens again) leaves a serving child alone: replacing
-            # the mount would cut off containers the new mount does not propagate to.
-            if name not in present:
-                if volume.child is not None:
-                    log.info("%s was removed: stopping the mount it served", name)
-                    self._stop_child(volume.child)
-                del self.volumes[name]
         now = time.monotonic()
+        for name, volume in list(self.volumes.items()):
+            # Only a socket removed for good stops its child. A socket bound anew under the
+            # same name (a restarted node plugin unlinks it and listens again) leaves a serving
+            # child alone: replacing the mount would cut off containers the new mount does not
+            # propagate to.
+            if name in present:
+                volume.missing_since = None
+                continue
+            if volume.child is not None:
+                if volume.missing_since is None:
+                    volume.missing_since = now
+                    log.debug("%s is gone: stopping its mount unless it comes back", name)
+                if now - volume.missing_since < _GONE_AFTER_S:
+                    continue
+                log.info("%s was removed: stopping the mount it served", name)
+                self._stop_child(volume.child)
+            del self.volumes[name]
         for name in sorted(present):
             volume = self.volumes.setdefault(name, _Volume(name, os.path.join(self.fd_dir, name)))
             if volume.child is None and now >= volume.next_try and not self.stop_requested:

@@ -339,6 +339,26 @@ def test_serves_an_offered_fd_byte_exact_with_no_privileges(env: Env, s3: Any, b
     assert node.replies == [None]
 
 
+def test_a_socket_gone_briefly_leaves_its_child_serving(env: Env, s3: Any, bucket: str) -> None:
+    data = os.urandom(1024 * 1024)
+    put(s3, bucket, {"p/file.bin": data})
+    node = env.publish("vol.sock", f"s3://{bucket}/p")
+    sidecar = env.start_sidecar()
+    assert node.wait_replies(1) == [None], env.log()
+    children = [c.pid for c in psutil.Process(sidecar.pid).children()]
+    assert len(children) == 1
+
+    # A restarting node plugin: the socket file is gone for a few scans, then bound anew.
+    os.unlink(node.sock_path)
+    time.sleep(1.5)
+    node.rebind()
+    time.sleep(sidecar_fd._GONE_AFTER_S + 1)
+    assert [c.pid for c in psutil.Process(sidecar.pid).children()] == children, env.log()
+    assert read_errno(f"{node.target}/file.bin") == sha256(data)
+    assert node.replies == [None]
+    assert "was removed" not in env.log()
+
+
 def test_two_volumes_at_once_and_sigterm_stops_both(env: Env, s3: Any, bucket: str) -> None:
     a, b = os.urandom(3 * 1024 * 1024), os.urandom(700_000)
     put(s3, bucket, {"a/file.bin": a, "b/file.bin": b})
