@@ -23,7 +23,8 @@ a Unix socket in the pod's ``objfs-fd`` emptyDir; the sidecar (``objfs sidecar -
 Invariants: a payload is at most :data:`MAX_PAYLOAD_BYTES`; no credential ever travels in it
 (the node plugin refuses credential-like keys before it gets here); every fd received is owned
 by exactly one :class:`Offer` and closed by :meth:`Offer.close` unless :meth:`Offer.detach_fd`
-took it. Nothing here blocks without a timeout.
+took it. Nothing here blocks without a timeout: sends give up after :data:`SEND_TIMEOUT_S`,
+receives after their caller's timeout.
 """
 
 from __future__ import annotations
@@ -41,6 +42,9 @@ PROTOCOL_VERSION = 1
 #: The options of one mount fit in a few KiB; anything larger is a bug or an attack.
 MAX_PAYLOAD_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")
+#: How long sending an offer or an answer may block (a few bytes into a fresh connection: only
+#: a peer that stopped reading makes it wait at all).
+SEND_TIMEOUT_S = 10.0
 # The longest path connect(2) takes on Linux (sun_path is 108 bytes with its NUL).
 _MAX_SUN_PATH = 107
 
@@ -60,15 +64,28 @@ def _recv_exact(conn: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def send_offer(conn: socket.socket, fd: int, payload: dict[str, Any]) -> None:
-    """Sends ``payload`` (JSON-able) with a duplicate of ``fd`` attached; ``fd`` stays open."""
+def send_offer(
+    conn: socket.socket, fd: int, payload: dict[str, Any], timeout_s: float = SEND_TIMEOUT_S
+) -> None:
+    """Sends ``payload`` (JSON-able) with a duplicate of ``fd`` attached; ``fd`` stays open.
+
+    Raises :class:`FdPassError` if the payload is too large or the send takes over
+    ``timeout_s``; ``conn``'s own timeout is restored afterwards.
+    """
     body = json.dumps({"version": PROTOCOL_VERSION, **payload}).encode()
     if len(body) > MAX_PAYLOAD_BYTES:
         raise FdPassError(f"offer payload too large ({len(body)} bytes)")
     message = _LEN.pack(len(body)) + body
-    sent = socket.send_fds(conn, [message], [fd])
-    if sent < len(message):
-        conn.sendall(message[sent:])
+    previous = conn.gettimeout()
+    conn.settimeout(timeout_s)
+    try:
+        sent = socket.send_fds(conn, [message], [fd])
+        if sent < len(message):
+            conn.sendall(message[sent:])
+    except TimeoutError as exc:
+        raise FdPassError(f"the sidecar did not take the offer within {timeout_s:g} s") from exc
+    finally:
+        conn.settimeout(previous)
 
 
 def read_reply(conn: socket.socket, timeout_s: float) -> str | None:
@@ -137,7 +154,11 @@ class Offer:
             return
         self._answered = True
         with contextlib.suppress(OSError):
-            self.conn.sendall(line)
+            self.conn.settimeout(SEND_TIMEOUT_S)
+            try:
+                self.conn.sendall(line)
+            finally:
+                self.conn.settimeout(None)
 
     def detach_fd(self) -> int:
         """Hands the fd to the caller (who must close it); :meth:`close` then leaves it alone."""

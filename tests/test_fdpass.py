@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import socket
 import threading
+import time
 
 import pytest
 
@@ -143,5 +144,40 @@ def test_a_socket_in_a_long_directory_is_reached(tmp_path: object) -> None:
             fdpass.take(path, timeout_s=1)
     finally:
         listener.close()
+        os.close(r)
+        os.close(w)
+
+
+def _fill(conn: socket.socket) -> None:
+    """Fills ``conn``'s send buffer: the peer never reads."""
+    conn.setblocking(False)
+    try:
+        while True:
+            conn.send(b"x" * 65536)
+    except BlockingIOError:
+        pass
+    conn.setblocking(True)
+
+
+def test_sends_to_a_peer_that_never_reads_time_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    a, b = socket.socketpair()
+    r, w = os.pipe()
+    try:
+        _fill(a)
+        a.settimeout(7.0)
+        with pytest.raises(fdpass.FdPassError, match=r"within 0\.3 s"):
+            fdpass.send_offer(a, w, {"source": "s3://b"}, timeout_s=0.3)
+        assert a.gettimeout() == 7.0  # the caller's timeout is back
+
+        # The sidecar's answer gives up too, quietly: the offer is closed next anyway.
+        monkeypatch.setattr(fdpass, "SEND_TIMEOUT_S", 0.3)
+        offer = fdpass.Offer(fd=-1, payload={"source": "s3://b"}, conn=a)
+        started = time.monotonic()
+        offer.fail("refused")
+        assert time.monotonic() - started < 5
+        assert offer.answered
+    finally:
+        a.close()
+        b.close()
         os.close(r)
         os.close(w)
