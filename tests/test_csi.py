@@ -1038,3 +1038,38 @@ def test_an_offer_that_cannot_be_sent_keeps_the_mount(plugin: Plugin) -> None:
     assert log.count("the next one gets a fresh mount") <= 1
     plugin.unpublish("vol-a", target)
     assert mounts_under(plugin.base) == []
+
+
+def test_an_orphan_objfs_mount_at_the_target_is_replaced_on_publish(plugin: Plugin) -> None:
+    """An objfs mount the plugin has no record of (a crash between mount and state file, a
+    wiped state directory) is removed and the target published; another file system there is
+    still refused."""
+    from objfs.csi.fusemount import mount_fd, open_fuse_device
+
+    pod = plugin.pod()
+    target = pod.target("models")
+    target.mkdir(parents=True)
+    fd = open_fuse_device()
+    try:
+        mount_fd(fd, str(target), "orphan")
+    finally:
+        os.close(fd)  # nobody serves it: its connection is dead
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    assert mounts_under(plugin.base) == [str(target)]
+    assert "did not record" in plugin.log.read_text()
+    line = mount_line(target)
+    assert line is not None
+    assert "orphan" not in line  # the plugin's own mount, not the orphan
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+
+    other = pod.target("other")
+    other.mkdir(parents=True)
+    subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(other)], check=True, timeout=30)
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.publish(pod, "vol-b", other, source="s3://bucket-a/models")
+        assert info.value.code() == grpc.StatusCode.ALREADY_EXISTS
+    finally:
+        umount_all_at(other)
+    assert mounts_under(plugin.base) == []

@@ -64,7 +64,9 @@ targets from the state files and the kernel's mount table and binds their socket
 sidecar that still serves carries on, a mount whose fd died with the old process (no sidecar had
 taken it) is dead and is replaced when a sidecar connects, and NodeUnpublishVolume works as
 usual. A fuse.objfs mount under the kubelet directory without a state file is only reported;
-NodeUnpublishVolume still removes it.
+NodeUnpublishVolume still removes it, and a NodePublishVolume of that target (in the pod's
+volumes) detaches it and publishes afresh (an orphan: a crash between the mount and its state
+file, or a wiped state directory). Another file system on the target is ALREADY_EXISTS.
 
 Kernel tuning (read-ahead, the FUSE queue; :func:`objfs.mount.tune_kernel`) is the node
 plugin's job, as the sidecar may not write sysfs. It runs once the sidecar answers ``ok``, and
@@ -272,6 +274,17 @@ class Node:
                     f"{target} is already published with another volume or other attributes "
                     f"(volume {existing.volume_id}): unpublish it first",
                 )
+            info = mounted(target)
+            if info is not None and info.fstype == FSTYPE:
+                # An orphan: mounted by this plugin before a crash that came before its state
+                # file, or its state directory was wiped. Nothing serves it for this publish
+                # (the target is in this pod's volumes, checked above): removed, then published.
+                log.warning(
+                    "%s holds a %s mount this plugin did not record: removing it",
+                    target,
+                    FSTYPE,
+                )
+                _detach_objfs_stack(target)
             if mounted(target) is not None:
                 raise CsiError(
                     grpc.StatusCode.ALREADY_EXISTS,
@@ -336,20 +349,7 @@ class Node:
                 close_quietly(pub.fd)
                 pub.fd = -1
             # Every mount stacked there: the first one and one per sidecar takeover.
-            count = 0
-            while (
-                (info := mounted(target)) is not None
-                and info.fstype == FSTYPE
-                and count < _MAX_STACKED
-            ):
-                try:
-                    if not detach(target):
-                        break
-                except OSError as exc:
-                    raise CsiError(
-                        grpc.StatusCode.INTERNAL, f"unmounting {target} failed: {exc.strerror}"
-                    ) from None
-                count += 1
+            count = _detach_objfs_stack(target)
             if mounted(target) is None:
                 try:
                     os.rmdir(target)
@@ -729,6 +729,22 @@ class Node:
                 close_quietly(pub.fd)
                 pub.fd = -1
             self._publications.clear()
+
+
+def _detach_objfs_stack(target: str) -> int:
+    """Detaches the objfs mounts stacked at ``target``, topmost first, while the topmost one
+    is objfs (mountinfo says); returns how many. Never waits for a FUSE server."""
+    count = 0
+    while (info := mounted(target)) is not None and info.fstype == FSTYPE and count < _MAX_STACKED:
+        try:
+            if not detach(target):
+                break
+        except OSError as exc:
+            raise CsiError(
+                grpc.StatusCode.INTERNAL, f"unmounting {target} failed: {exc.strerror}"
+            ) from None
+        count += 1
+    return count
 
 
 def _wait_limit() -> float:
