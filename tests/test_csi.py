@@ -696,6 +696,15 @@ def test_bad_requests_are_refused_with_messages(plugin: Plugin) -> None:
     )
     assert not no_fd.target("bad").exists()
 
+    # Unpublish touches nothing outside the kubelet directory either.
+    elsewhere = plugin.base / "elsewhere"
+    elsewhere.mkdir()
+    for path in (str(elsewhere), "/tmp/../tmp/x", "relative/mount"):
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.call("Node", "NodeUnpublishVolume", volume_id="vol-bad", target_path=path)
+        assert info.value.code() == invalid, info.value.details()
+    assert elsewhere.is_dir()
+
 
 def test_sigterm_leaves_mounts_and_a_restart_unpublishes_them(plugin: Plugin) -> None:
     pod = plugin.pod()

@@ -50,7 +50,7 @@ a fresh mount on top, as after a restart.
 NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches
 every objfs mount stacked on the target (``MNT_DETACH``, topmost first, until mountinfo shows
 none there: never waits for a sidecar) and removes the target directory; it answers OK for a
-target that is not mounted or not known.
+target that is not mounted or not known, and INVALID_ARGUMENT for one outside ``--kubelet-dir``.
 
 Invariants: the node plugin never stats, opens or resolves a path inside a mount it made (see
 :mod:`objfs.csi.fusemount`); nothing waits on a sidecar without a timeout or a way to be woken
@@ -339,9 +339,8 @@ class Node:
     def unpublish(self, request: Any) -> Any:
         if not request.volume_id:
             raise CsiError(grpc.StatusCode.INVALID_ARGUMENT, "volume_id is missing")
-        if not request.target_path:
-            raise CsiError(grpc.StatusCode.INVALID_ARGUMENT, "target_path is missing")
-        target = real_target(request.target_path)
+        # Only under the kubelet directory: nothing else is ever unmounted or removed.
+        target = self._check_target(request.target_path)
         with self._lock:
             pub = self._publications.pop(target, None)
             if pub is not None:
