@@ -66,6 +66,9 @@ log = logging.getLogger("objfs")
 _READY_TIMEOUT_S = 120.0
 # On unmount, how long to wait for blocks still queued for the disk cache.
 _DISK_FLUSH_TIMEOUT_S = 30.0
+# Serving a passed fd (/dev/fd/N), the file this names is created just before pyfuse3.init
+# takes the fd: the sidecar (objfs.sidecar_fd) then knows the fd may have been read.
+FD_USED_ENV = "OBJFS_SIDECAR_FD_USED_FILE"
 # pyfuse3 worker tasks: enough that slow GETs do not starve cheap metadata requests.
 _MAX_FUSE_TASKS = 64
 
@@ -424,6 +427,17 @@ async def serve_async(
     ops = ObjfsOperations(fs)
     telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     passed_fd = passed_fuse_fd(config.mountpoint)
+    mark = os.environ.pop(FD_USED_ENV, "") if passed_fd is not None else ""
+    if mark:
+        # From pyfuse3.init on, the kernel's INIT request may be read from the fd: the sidecar
+        # must then never offer this fd to another child. Failing to mark means not starting.
+        try:
+            os.close(os.open(mark, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
+        except OSError as exc:
+            telemetry.close()
+            raise MountFailedError(
+                f"cannot write {mark} ({exc.strerror}): the fd was not used"
+            ) from exc
     try:
         # With /dev/fd/N libfuse takes fd N as the session's channel and mounts nothing; the
         # mount options then only configure the session (the mounting process chose the

@@ -66,7 +66,7 @@ from typing import Any
 
 from objfs import fdpass
 from objfs.errors import DaemonNotAnsweringError, UsageError
-from objfs.mount import setup_logging
+from objfs.mount import FD_USED_ENV, setup_logging
 
 log = logging.getLogger("objfs.sidecar")
 
@@ -103,7 +103,7 @@ _PR_SET_PDEATHSIG = 1
 #: A child writes this file in its run dir just before ``pyfuse3.init``: without it, the child
 #: never touched its fd.
 FD_USED_FILE = "fd-used"
-_FD_USED_ENV = "OBJFS_SIDECAR_FD_USED_FILE"
+_FD_USED_ENV = FD_USED_ENV
 # The child's command: ``objfs mount`` that marks FD_USED_FILE before it sets up the session.
 _CHILD_CODE = "import sys; from objfs.sidecar_fd import child_main; sys.exit(child_main())"
 
@@ -187,25 +187,15 @@ def _die_with_parent_fn() -> Any:
 
 
 def child_main(argv: list[str] | None = None) -> int:
-    """A child: ``objfs ARGV`` (``mount SOURCE /dev/fd/N ...``) that leaves its mark first.
+    """A child: ``objfs ARGV`` (``mount SOURCE /dev/fd/N ...``).
 
-    Just before ``pyfuse3.init`` takes the fd (the kernel's INIT request is read from then on)
-    it creates the file named by ``$OBJFS_SIDECAR_FD_USED_FILE``. If that fails, it never
-    calls ``pyfuse3.init``: no mark always means an untouched fd.
+    ``objfs.mount`` creates the file named by ``$OBJFS_SIDECAR_FD_USED_FILE``
+    (:data:`objfs.mount.FD_USED_ENV`) just before ``pyfuse3.init`` takes the fd (the kernel's
+    INIT request is read from then on), and does not start if it cannot: no mark always means
+    an untouched fd.
     """
-    import pyfuse3
-
     from objfs.cli import main
 
-    marker = os.environ.pop(_FD_USED_ENV, "")
-    init = pyfuse3.init
-
-    def marked_init(*args: Any, **kwargs: Any) -> Any:
-        if marker:
-            os.close(os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC, 0o600))
-        return init(*args, **kwargs)
-
-    setattr(pyfuse3, "init", marked_init)  # noqa: B010 - objfs.mount calls pyfuse3.init
     return main(sys.argv[1:] if argv is None else argv)
 
 
