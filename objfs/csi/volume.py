@@ -13,7 +13,10 @@ PersistentVolume) are:
 Invariants: credentials never travel in volume attributes. A key that looks like one
 (:data:`_CREDENTIAL_LIKE`), other than the two file-path options ``credentials-file`` and
 ``sas-token-file`` (absolute paths inside the sidecar's container), is refused; so are URLs
-with a user, password or query string. Error messages name the key, never its value. The kubelet's
+with a user, password, query string, fragment, ``;`` or ``sig=`` (an Azure SAS smuggled into
+``account-url`` or ``endpoint-url``). Error messages name the key, never its value: where the
+``mount`` command's own checks echo a value, it is replaced by ``<KEY>`` (short numbers stay,
+as in "max-connections: 0 is out of range"). The kubelet's
 ``serviceAccount.tokens`` is accepted (the kubelet sends it when the CSIDriver asks for tokens)
 and dropped here: it reaches neither the sidecar, nor the state files, nor any log. Checking
 never contacts the store: it runs the ``mount`` command's own argument parsing and value
@@ -134,9 +137,17 @@ def _check_value(key: str, value: str) -> None:
         )
     if key in URL_OPTIONS:
         parts = urlsplit(value)
-        if parts.username or parts.password or parts.query:
+        if (
+            parts.username
+            or parts.password
+            or parts.query
+            or parts.fragment
+            or any(mark in value for mark in ";#?")
+            or "sig=" in value.lower()
+        ):
             raise VolumeContextError(
-                f"volume attribute {key!r}: the URL carries a user, password or query string; "
+                f"volume attribute {key!r}: the URL carries a user, password, query string, "
+                "fragment, ';' or 'sig='; "
                 "credentials never travel in volume attributes: give them to the objfs sidecar "
                 "(its service account identity, or a Secret mounted into it and credentials-file "
                 "or sas-token-file)"
@@ -207,10 +218,14 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
         raise VolumeContextError(f"{POD_UID_KEY} is not a pod UID")
 
     argv = [source, target_path]
+    redact = functools.partial(_redact, options=options)
     for key, value in options.items():
         # --key=value: a value that starts with a dash stays a value.
         argv.append(f"--{key}" if _is_flag(known[key]) else f"--{key}={value}")
-    config = _check_mount_argv(argv)
+    try:
+        config = _check_mount_argv(argv)
+    except VolumeContextError as exc:
+        raise VolumeContextError(redact(str(exc))) from None
     return VolumeSpec(
         source=source,
         options=options,
@@ -218,6 +233,20 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
         fsname=config.source.url(),
         config=config,
     )
+
+
+_SHORT_NUMBER = re.compile(r"\d{1,6}")
+
+
+def _redact(message: str, options: dict[str, str]) -> str:
+    """``message`` with every option value replaced by ``<KEY>`` (longest first, whole words
+    only); short numbers stay, as they say what is out of range and carry no secret."""
+    for key, value in sorted(options.items(), key=lambda item: -len(item[1])):
+        if not value.strip() or _SHORT_NUMBER.fullmatch(value):
+            continue
+        pattern = r"(?<!\w)" + re.escape(value) + r"(?!\w)"
+        message = re.sub(pattern, f"<{key}>", message)
+    return message
 
 
 class _ParseError(Exception):
