@@ -125,7 +125,7 @@ async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: P
     """The read finishes while no disk write can (no reply waits for the disk); the queue
     holds at most a quarter of the budget, pinned and charged to it; once the disk catches
     up, the deferred blocks still in memory are written, so the disk tier ends complete."""
-    data = os.urandom(12 * MiB)  # the first 7 MiB fill the queue, 5 MiB are deferred
+    data = os.urandom(12 * MiB)  # the queue fills (7 MiB at most), the rest is deferred
     backend = MemoryBackend(latency_s=0.001)
     backend.put("p/model.bin", data)
     disk = GatedDisk(tmp_path / "cache")
@@ -140,10 +140,12 @@ async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: P
             stats = fs.statistics()
             assert stats["disk_writes"] == 0
             assert stats["disk_writes_deferred"] > 0
-            # The queue (a quarter of the block tier's share, 30 of the 32 MiB, in whole
-            # blocks: 7 MiB) is pinned and inside the budget.
-            assert stats["disk_write_queue_bytes"] == fs.cache.capacity_bytes // 4 // MiB * MiB
-            assert stats["disk_write_queue_bytes"] == 7 * MiB
+            # The queue is full to within one piece (pieces of at most half the queue, in whole
+            # blocks): its limit is a quarter of the block tier's share (28 of the 32 MiB:
+            # 7 MiB; pieces of 3 blocks). It is pinned and inside the budget.
+            limit = fs.cache.capacity_bytes // 4
+            piece = limit // 2 // MiB * MiB
+            assert limit - piece < stats["disk_write_queue_bytes"] <= limit, stats
             assert fs.cache.used_bytes <= 32 * MiB
         finally:
             disk.gate.set()
