@@ -938,6 +938,8 @@ class FileSystem:
         nbytes = stop - start
         await self.cache.replies.acquire(nbytes)
         try:
+            if any(self.cache.is_cached_or_pending(k) for k in keys):
+                return None  # fetched by read-ahead or a neighbour while this read waited
             data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
             return memoryview(data)[offset - start : end - start]
         finally:
