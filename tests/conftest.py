@@ -64,6 +64,17 @@ def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
+    """A moto server of the test module's own, whose IAM enforcement the module switches on
+    and off (tests/helpers/iam_moto.py)."""
+    server = start_moto_server(str(tmp_path_factory.mktemp("iam-moto") / "moto.log"))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="session")
 def s3(s3_server: LocalServer) -> Any:
     return s3_client(s3_server.url)

@@ -19,7 +19,6 @@ import json
 import os
 import re
 import subprocess
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,11 @@ from typing import Any
 import pytest
 
 from objfs.config import parse_source
-from objfs.demo import LocalServer, start_moto_server
+from objfs.demo import LocalServer
 from objfs.mount import mount_entry
 from objfs.mount_helper import parse_helper_args
 from tests.conftest import Mount, mount_command, run_mount, run_objfs, sha256
-from tests.helpers.known_secrets import remember
+from tests.helpers.iam_moto import enforce_auth, new_access_key
 from tests.helpers.proxy import Answer, Proxy, Request
 from tests.test_systemd_fstab import helper_on_sbin, mount8_env  # noqa: F401 - a fixture
 
@@ -240,27 +239,6 @@ def test_mount_t_fuse_objfs_mounts_the_account_root(
 # -- S3 with IAM: a bucket the credentials cannot read -------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    """A moto server of this module's own, enforcing IAM (so its bucket list is exact)."""
-    server = start_moto_server(str(tmp_path_factory.mktemp("account-moto") / "moto.log"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _enforce_auth(server: LocalServer, on: bool) -> None:
-    request = urllib.request.Request(
-        f"{server.url}/moto-api/reset-auth",
-        data=b"0" if on else b"inf",
-        method="POST",
-        headers={"Content-Type": "text/plain"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        assert json.load(reply)["status"] == "ok"
-
-
 def _user(server: LocalServer, name: str, statements: list[dict[str, Any]]) -> dict[str, str]:
     import boto3
 
@@ -271,8 +249,7 @@ def _user(server: LocalServer, name: str, statements: list[dict[str, Any]]) -> d
         PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": statements}),
     )
     iam.attach_user_policy(UserName=name, PolicyArn=policy["Policy"]["Arn"])
-    key = iam.create_access_key(UserName=name)["AccessKey"]
-    remember(f"moto IAM secret of {name}", key["SecretAccessKey"])
+    key = new_access_key(iam, name)
     return {
         "AWS_ACCESS_KEY_ID": key["AccessKeyId"],
         "AWS_SECRET_ACCESS_KEY": key["SecretAccessKey"],
@@ -285,7 +262,7 @@ def iam_account(iam_s3: LocalServer) -> Iterator[dict[str, Any]]:
     buckets (denied explicitly the third), and a user allowed the open buckets only."""
     from objfs.demo import s3_client
 
-    _enforce_auth(iam_s3, False)
+    enforce_auth(iam_s3, False)
     s3 = s3_client(iam_s3.url)
     files = {
         "open-a": {"m/config.json": b'{"a": 1}', "m/w.bin": os.urandom(2 * MiB + 1)},
@@ -318,11 +295,11 @@ def iam_account(iam_s3: LocalServer) -> Iterator[dict[str, Any]]:
     no_list = _user(
         iam_s3, "bucket-reader", [{"Effect": "Allow", "Action": "s3:*", "Resource": opened}]
     )
-    _enforce_auth(iam_s3, True)
+    enforce_auth(iam_s3, True)
     try:
         yield {"files": files, "reader": reader, "no_list": no_list}
     finally:
-        _enforce_auth(iam_s3, False)
+        enforce_auth(iam_s3, False)
 
 
 def test_s3_bucket_the_credentials_cannot_read_fails_only_inside_it(

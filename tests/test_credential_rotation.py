@@ -26,9 +26,10 @@ from typing import Any
 import pytest
 
 from objfs.credentials import CredentialWatch
-from objfs.demo import LocalServer, start_moto_server
+from objfs.demo import LocalServer
 from objfs.errors import UsageError
 from tests.conftest import Mount, mount_command, run_mount, sha256
+from tests.helpers.iam_moto import enforce_auth, new_access_key
 from tests.helpers.known_secrets import remember
 
 MiB = 1 << 20
@@ -197,27 +198,6 @@ def test_sas_token_file_change_is_seen(tmp_path: Path) -> None:
 # -- S3: a moto server that enforces IAM credentials -----------------------------------------
 
 
-@pytest.fixture(scope="module")
-def iam_s3(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalServer]:
-    """A moto server of this module's own: its IAM enforcement is switched on and off."""
-    server = start_moto_server(str(tmp_path_factory.mktemp("iam-moto") / "moto.log"))
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def _enforce_auth(server: LocalServer, on: bool) -> None:
-    request = urllib.request.Request(
-        f"{server.url}/moto-api/reset-auth",
-        data=b"0" if on else b"inf",  # requests allowed before credentials are checked
-        method="POST",
-        headers={"Content-Type": "text/plain"},
-    )
-    with urllib.request.urlopen(request, timeout=10) as reply:
-        assert json.load(reply)["status"] == "ok"
-
-
 def _client(server: LocalServer, service: str, key: dict[str, str] | None = None) -> Any:
     import boto3
 
@@ -230,12 +210,6 @@ def _client(server: LocalServer, service: str, key: dict[str, str] | None = None
     return boto3.client(service, endpoint_url=server.url, region_name="us-east-1", **extra)
 
 
-def _new_key(iam: Any, user: str) -> dict[str, str]:
-    key: dict[str, str] = iam.create_access_key(UserName=user)["AccessKey"]
-    remember(f"moto IAM secret of {user}", key["SecretAccessKey"])
-    return key
-
-
 class IamBucket:
     """A bucket of ``iam_s3`` with objects, and a user allowed everything, signing with
     ``key``; IAM enforcement is on once it is made."""
@@ -244,7 +218,7 @@ class IamBucket:
         self.server = server
         self.name = name
         self.user = f"{name}-user"
-        _enforce_auth(server, False)
+        enforce_auth(server, False)
         s3 = _client(server, "s3")
         s3.create_bucket(Bucket=name)
         for key, data in objects.items():
@@ -261,14 +235,14 @@ class IamBucket:
             ),
         )
         iam.attach_user_policy(UserName=self.user, PolicyArn=policy["Policy"]["Arn"])
-        self.key = _new_key(iam, self.user)
-        _enforce_auth(server, True)
+        self.key = new_access_key(iam, self.user)
+        enforce_auth(server, True)
 
     def rotate(self, credentials_file: Path) -> dict[str, str]:
         """Make a second key, write it to ``credentials_file``, delete the first; checks that
         the server refuses the first one from then on."""
         iam = _client(self.server, "iam", self.key)
-        old, new = self.key, _new_key(iam, self.user)
+        old, new = self.key, new_access_key(iam, self.user)
         _write_credentials(credentials_file, new)
         iam.delete_access_key(UserName=self.user, AccessKeyId=old["AccessKeyId"])
         self.key = new
@@ -295,7 +269,7 @@ def iam_bucket(iam_s3: LocalServer) -> Iterator[Callable[[dict[str, bytes]], Iam
         return IamBucket(iam_s3, f"rotation-{os.getpid()}-{next(_bucket_ids)}", objects)
 
     yield make
-    _enforce_auth(iam_s3, False)
+    enforce_auth(iam_s3, False)
 
 
 def test_s3_mount_follows_a_rotated_access_key(
