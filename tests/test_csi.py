@@ -37,6 +37,7 @@ from objfs.demo import LocalServer
 from objfs.mount import _unescape_mountinfo
 from tests.conftest import run_objfs, sha256
 from tests.helpers.known_secrets import remember
+from tests.test_sidecar_fd import NOBODY, SETPRIV
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounts need root")
 
@@ -45,7 +46,6 @@ HAVE_SIDECAR = (REPO / "objfs" / "sidecar_fd.py").exists()
 needs_sidecar = pytest.mark.skipif(
     not HAVE_SIDECAR, reason="objfs sidecar --fd-dir (objfs/sidecar_fd.py) is not there yet"
 )
-NOBODY = 65534
 CAPABILITY = {"mount": {}, "access_mode": {"mode": "SINGLE_NODE_WRITER"}}
 FILES = {
     "models/m/config.json": b'{"hidden_size": 64}\n',
@@ -190,13 +190,7 @@ class Plugin:
         with open(log, "ab") as out:
             proc = subprocess.Popen(
                 [
-                    "setpriv",
-                    f"--reuid={NOBODY}",
-                    f"--regid={NOBODY}",
-                    "--clear-groups",
-                    "--inh-caps=-all",
-                    "--bounding-set=-all",
-                    "--no-new-privs",
+                    *SETPRIV,
                     sys.executable,
                     "-m",
                     "objfs",

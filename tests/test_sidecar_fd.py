@@ -13,7 +13,6 @@ read by another process.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
 import json
 import os
@@ -33,6 +32,7 @@ import psutil
 import pytest
 
 from objfs import fdpass, sidecar_fd
+from objfs.csi import fusemount
 from objfs.demo import LocalServer
 from objfs.errors import UsageError
 from objfs.sidecar_fd import READY_FILE, STATUS_FILE, mount_arguments
@@ -48,11 +48,8 @@ SETPRIV = [
     "--bounding-set=-all",
     "--no-new-privs",
 ]
-MS_RDONLY, MS_NOSUID, MS_NODEV = 1, 2, 4
-MNT_DETACH = 2
 WAIT_S = 60.0
 
-_libc = ctypes.CDLL(None, use_errno=True)
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="mounts with fd= need root"),
@@ -71,21 +68,17 @@ def is_mounted(target: str) -> bool:
 
 def fuse_mount(target: str) -> int:
     """What the node plugin does: open /dev/fuse and mount ``target`` with ``fd=N``."""
-    fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-    options = f"fd={fd},rootmode=40000,user_id=0,group_id=0,allow_other,default_permissions"
-    flags = MS_RDONLY | MS_NOSUID | MS_NODEV
-    if _libc.mount(b"objfs-test", target.encode(), b"fuse.objfs", flags, options.encode()) != 0:
-        err = ctypes.get_errno()
+    fd = fusemount.open_fuse_device()
+    try:
+        fusemount.mount_fd(fd, target, "objfs-test")
+    except OSError:
         os.close(fd)
-        raise OSError(err, f"mount {target}: {os.strerror(err)}")
+        raise
     return fd
 
 
 def lazy_umount(target: str) -> None:
-    for _ in range(10):
-        if not is_mounted(target):
-            return
-        _libc.umount2(target.encode(), MNT_DETACH)
+    fusemount.detach_all(target)
 
 
 class FakeNodePlugin:
