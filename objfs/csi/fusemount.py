@@ -120,10 +120,16 @@ def detach(target: str) -> bool:
     return True
 
 
+#: A bound on the mounts :func:`detach_all` takes from one target (it stops earlier when
+#: mountinfo shows no objfs mount on top): the first mount and one per sidecar takeover.
+MAX_STACKED = 4096
+
+
 def detach_all(target: str) -> int:
-    """Detaches every mount stacked at ``target`` (mountinfo says which); returns how many."""
+    """Detaches the objfs mounts stacked at ``target``, topmost first, while the topmost one
+    is objfs (mountinfo says); returns how many. Never waits for a FUSE server."""
     count = 0
-    while mounted(target) is not None and count < 64:
+    while (info := mounted(target)) is not None and info.fstype == FSTYPE and count < MAX_STACKED:
         if not detach(target):
             break
         count += 1

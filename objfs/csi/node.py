@@ -103,6 +103,7 @@ from objfs.csi.fusemount import (
     FSTYPE,
     close_quietly,
     detach,
+    detach_all,
     mount_fd,
     mounted,
     mounts_below,
@@ -134,9 +135,6 @@ _POLL_S = 0.5
 #: reads the answer to its INIT request, which may come just after the ``ok``.
 _RETUNE_S = 5.0
 _JOIN_TIMEOUT_S = 10.0
-#: A bound on the mounts NodeUnpublishVolume detaches from one target (it stops earlier when
-#: mountinfo shows no objfs mount there): the first mount and one per sidecar takeover.
-_MAX_STACKED = 4096
 FD_VOLUME = "objfs-fd"
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -731,19 +729,13 @@ class Node:
 
 
 def _detach_objfs_stack(target: str) -> int:
-    """Detaches the objfs mounts stacked at ``target``, topmost first, while the topmost one
-    is objfs (mountinfo says); returns how many. Never waits for a FUSE server."""
-    count = 0
-    while (info := mounted(target)) is not None and info.fstype == FSTYPE and count < _MAX_STACKED:
-        try:
-            if not detach(target):
-                break
-        except OSError as exc:
-            raise CsiError(
-                grpc.StatusCode.INTERNAL, f"unmounting {target} failed: {exc.strerror}"
-            ) from None
-        count += 1
-    return count
+    """:func:`~objfs.csi.fusemount.detach_all`, with a failure as a CSI error."""
+    try:
+        return detach_all(target)
+    except OSError as exc:
+        raise CsiError(
+            grpc.StatusCode.INTERNAL, f"unmounting {target} failed: {exc.strerror}"
+        ) from None
 
 
 def _wait_limit() -> float:
