@@ -24,7 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from tests.benchmarks import bench_env as env
-from tests.benchmarks.bench_models import t_load
+from tests.benchmarks.bench_models import t_load, tp_load
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--perf", default="", help="perf record the daemon's cold load into this file")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--extra", default="", help="more objfs mount options, space-separated")
+    p.add_argument(
+        "--tp", action="store_true", help="load with the tensor-parallel pass's 4 ranks instead"
+    )
     args = p.parse_args()
     env.setup_process_env()
     work = Path(tempfile.mkdtemp(prefix="objfs-prof-"))
@@ -124,7 +127,7 @@ def main() -> None:
                             )
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
-                        elapsed = t_load(files)
+                        elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
                         after = thread_cpu(m.pid)
                         if spy is not None:
                             spy.send_signal(2)
@@ -149,7 +152,8 @@ def main() -> None:
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
-                            f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']}",
+                            f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']} "
+                            f"served {served}",
                             flush=True,
                         )
     finally:
