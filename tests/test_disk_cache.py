@@ -1,4 +1,4 @@
-"""The disk tier (format v3) on its own: round trips, runs, crashes and damage, eviction,
+"""The disk tier (format v4) on its own: round trips, runs, crashes and damage, eviction,
 the free-space floor, errors, O_DIRECT fallbacks and sharing a directory.
 
 Deterministic: damage comes from seeded generators, clocks are moved by hand, and system
@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import random
+import struct
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import xxhash
 
 from objfs import disk_cache
 from objfs.block_cache import BlockKey
@@ -172,14 +174,53 @@ def test_returned_bytes_never_alias_a_pooled_buffer(tmp_path: Path) -> None:
     assert first == again == {i: block("k", i) for i in range(8)}
 
 
-def test_crc_of_every_kind_of_buffer(tmp_path: Path) -> None:
+def test_hash_of_every_kind_of_buffer() -> None:
+    """XXH3-64 of the bytes, whatever holds them: bytes, bytearray, an mmap, a view of
+    either (read-only or writable), a view of another format or shape; a non-contiguous
+    view hashes as its bytes in order."""
     data = os.urandom(100_000)
-    expected = disk_cache._crc(data)
+    expected = xxhash.xxh3_64_intdigest(data)
     buf = mmap.mmap(-1, len(data))
     buf[:] = data
-    for kind in (bytearray(data), memoryview(data), memoryview(buf), memoryview(buf).toreadonly()):
-        assert disk_cache._crc(kind) == expected
-    assert disk_cache._crc32c_extend is not None  # the fast path for writable buffers
+    kinds: list[Any] = [
+        data,
+        bytearray(data),
+        memoryview(data),
+        buf,
+        memoryview(buf),
+        memoryview(buf).toreadonly(),
+        memoryview(bytearray(data)).cast("I"),  # 4-byte items
+        memoryview(buf).cast("B", (1000, 100)),  # two dimensions
+    ]
+    for kind in kinds:
+        assert disk_cache._hash(kind) == expected
+    assert disk_cache._hash(memoryview(buf)[10:-10]) == xxhash.xxh3_64_intdigest(data[10:-10])
+    assert disk_cache._hash(memoryview(buf)[::3]) == xxhash.xxh3_64_intdigest(data[::3])
+    assert disk_cache._hash(b"") == xxhash.xxh3_64_intdigest(b"")
+
+
+def test_table_layout(tmp_path: Path) -> None:
+    """Format v4 as documented: ``DIR/v4/``, a header with magic ``OBJFSIX4`` and format 4,
+    then 16-byte entries (length u32, XXH3-64 of the data u64, check u32 = the low 32 bits
+    of the XXH3-64 of (index u64, length u32, data hash u64)), little-endian, computed here
+    independently of the module's helpers."""
+    cache = make_cache(tmp_path / "c")
+    blobs = [block("k", 4), block("k", 5, 3000)]
+    cache.write_blocks("k", "e", 4, blobs)
+    where = cache.locate("k", "e", 4)
+    assert where.index_path.startswith(str(tmp_path / "c" / "v4") + os.sep)
+    with open(where.index_path, "rb") as f:
+        table = f.read()
+    assert table[:8] == b"OBJFSIX4"
+    assert struct.unpack_from("<III", table, 8) == (4, BS, 16)
+    assert where.entry_offset % 4096 == 4 * 16
+    assert table[where.entry_offset - 4 * 16 : where.entry_offset] == bytes(4 * 16)  # holes
+    for n, blob in enumerate(blobs):
+        raw = table[where.entry_offset + 16 * n : where.entry_offset + 16 * (n + 1)]
+        data_hash = xxhash.xxh3_64_intdigest(blob)
+        check = xxhash.xxh3_64_intdigest(struct.pack("<QIQ", 4 + n, len(blob), data_hash))
+        assert raw == struct.pack("<IQI", len(blob), data_hash, check & 0xFFFFFFFF)
+    assert len(table) == where.entry_offset + 2 * 16
 
 
 # -- crashes and damage ---------------------------------------------------------------------
@@ -199,6 +240,64 @@ def test_data_without_its_table_entry_is_a_miss(
     assert cache.corrupt == 0
     cache.write_blocks("k", "e", 1, [block("k", 1)])  # the caller fetched it again
     assert make_cache(tmp_path / "c").read(BlockKey("k", "e", 1), BS) == block("k", 1)
+
+
+def test_a_hole_is_a_miss_and_never_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An all-zero entry is "not present" before any check: even under a check that a zero
+    entry would pass, it is a plain miss, not a block and not a corrupt one."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0)])
+    cache.write_blocks("k", "e", 2, [block("k", 2)])  # entry 1 is a hole: zeros
+    where = cache.locate("k", "e", 1)
+    with open(where.index_path, "rb") as f:
+        f.seek(where.entry_offset)
+        assert f.read(16) == bytes(16)
+    monkeypatch.setattr(disk_cache, "_entry_check", lambda index, length, data_hash: 0)
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    fresh = make_cache(tmp_path / "c")
+    assert fresh.read_blocks("k", "e", [1], [BS]) == {}
+    assert fresh.statistics()["disk_misses"] == 1
+    assert fresh.corrupt == 0
+    assert corrupt_warnings(caplog) == 0
+    assert cached_blocks(str(tmp_path / "c")) == 0  # 0 and 2 fail this check; 1 is a hole
+    monkeypatch.undo()
+    assert cached_blocks(str(tmp_path / "c")) == 2
+    got = make_cache(tmp_path / "c").read_blocks("k", "e", [0, 1, 2], [BS] * 3)
+    assert got == {0: block("k", 0), 2: block("k", 2)}
+
+
+@pytest.mark.parametrize("damage", ["check", "moved"])
+def test_an_entry_whose_check_fails_is_dropped_though_its_data_matches(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, damage: str
+) -> None:
+    """The data's hash matches the entry's, but the entry's check does not: a bit flipped in
+    the check, or an entry (and its data) copied to another block's place, which the check
+    tells by the index it covers. Dropped as corrupt; the moved one would be wrong bytes."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    first, second = cache.locate("k", "e", 0), cache.locate("k", "e", 1)
+    with open(first.index_path, "rb") as f:
+        f.seek(second.entry_offset)
+        entry = f.read(16)
+        f.seek(first.entry_offset)
+        entry0 = f.read(16)
+    if damage == "check":
+        patch_bytes(second.index_path, second.entry_offset + 12, bytes([entry[12] ^ 0x01]))
+    else:
+        patch_bytes(second.index_path, second.entry_offset, entry0)
+        patch_bytes(second.data_path, second.data_offset, block("k", 0))
+    caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
+    fresh = make_cache(tmp_path / "c")
+    assert fresh.read_blocks("k", "e", [0, 1], [BS, BS]) == {0: block("k", 0)}
+    assert fresh.corrupt == 1
+    assert corrupt_warnings(caplog) == 1
+    assert "damaged table entry" in caplog.records[-1].getMessage()
+    with open(second.index_path, "rb") as f:
+        f.seek(second.entry_offset)
+        assert f.read(16) == bytes(16)  # cleared: a hole now
+    assert cached_blocks(str(tmp_path / "c")) == 1
 
 
 @pytest.mark.parametrize("tear", ["zeros", "half-written", "one-sector"])
@@ -812,21 +911,27 @@ def test_older_formats_are_removed_on_start(tmp_path: Path) -> None:
     for old in ("v1", "v2"):
         (directory / old / "ab").mkdir(parents=True, mode=0o700)
         (directory / old / "ab" / "block.0").write_bytes(b"x" * 100)
+    # A v3 directory as the CRC-32C format left it: a table and its data file.
+    (directory / "v3" / "ab").mkdir(parents=True, mode=0o700)
+    (directory / "v3" / "ab" / ("ab" + "0" * 62 + ".idx")).write_bytes(b"OBJFSIX3" + bytes(40))
+    (directory / "v3" / "ab" / ("ab" + "0" * 62)).write_bytes(b"x" * 100)
+    (directory / "v3" / ".lock").write_bytes(b"")
     directory.chmod(0o700)
     cache = make_cache(directory)
-    assert sorted(p.name for p in directory.iterdir()) == ["v3"]
-    assert cache.root == str(directory / "v3")
-    assert stat_mode(directory / "v3") == 0o700
+    assert sorted(p.name for p in directory.iterdir()) == ["v4"]
+    assert cache.root == str(directory / "v4")
+    assert stat_mode(directory / "v4") == 0o700
+    assert cache.statistics()["disk_versions"] == 0  # nothing of v3 counted
 
 
 def test_a_shared_or_foreign_directory_is_refused(tmp_path: Path) -> None:
     directory = tmp_path / "c"
-    (directory / "v3").mkdir(parents=True, mode=0o700)
+    (directory / "v4").mkdir(parents=True, mode=0o700)
     directory.chmod(0o700)
-    (directory / "v3").chmod(0o707)
+    (directory / "v4").chmod(0o707)
     with pytest.raises(UsageError, match="is writable by group or others"):
         make_cache(directory)
-    (directory / "v3").chmod(0o700)
+    (directory / "v4").chmod(0o700)
     directory.chmod(0o755)  # only readable by others: tightened
     make_cache(directory)
     assert stat_mode(directory) == 0o700

@@ -114,7 +114,7 @@ def test_cache_directory_and_blocks_are_private_whatever_the_umask(
     s3_server: LocalServer, bucket: str, weights: bytes, tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    # --cache-min-free: objfs itself creates the directory (not only its v3/ subdirectory).
+    # --cache-min-free: objfs itself creates the directory (not only its v4/ subdirectory).
     cmd, mountpoint = cache_mount_command(
         s3_server, bucket, tmp_path, cache, "--cache-min-free", "1M"
     )
@@ -172,13 +172,13 @@ def assert_one_line_usage_error(res: subprocess.CompletedProcess[str], *fragment
 
 @pytest.mark.parametrize(
     ("where", "mode"),
-    [("cache", 0o777), ("cache", 0o730), ("cache", 0o1777), ("cache/v3", 0o707)],
+    [("cache", 0o777), ("cache", 0o730), ("cache", 0o1777), ("cache/v4", 0o707)],
 )
 def test_cache_directory_writable_by_others_is_refused(
     s3_server: LocalServer, bucket: str, weights: bytes, tmp_path: Path, where: str, mode: int
 ) -> None:
     cache = tmp_path / "cache"
-    (cache / "v3").mkdir(parents=True, mode=0o700)
+    (cache / "v4").mkdir(parents=True, mode=0o700)
     cache.chmod(0o700)
     (tmp_path / where).chmod(mode)
     res = refused_mount(s3_server, bucket, tmp_path, cache)
@@ -187,7 +187,7 @@ def test_cache_directory_writable_by_others_is_refused(
     )
     # Refused, not repaired: objfs changed nothing.
     assert stat.S_IMODE((tmp_path / where).stat().st_mode) == mode
-    assert sorted(p.name for p in cache.rglob("*")) == ["v3"]
+    assert sorted(p.name for p in cache.rglob("*")) == ["v4"]
 
 
 def test_cache_directory_of_another_user_is_refused(
