@@ -29,7 +29,9 @@ and only a Reservation's or a Block's own methods move bytes into or out of the 
 
 Buffers: a block's bytes live in a page-aligned buffer from :class:`BufferPool`, filled in
 place by the backend (a socket ``recv_into``) or the disk tier, written to disk from the same
-buffer and handed to the kernel as a memoryview: no copy in user space. A buffer goes back to
+buffer and handed to the kernel as a memoryview: no copy in user space. A fetch takes its
+run's buffers in adjacent slots of the pool's arena when it can (``new_blocks``), so a read
+that spans two blocks is one view of both (``span``), not a copy. A buffer goes back to
 the pool when its block has left the cache *and* nobody pins it (``Block.pin``: the disk
 writer does, while it writes); an evicted block that is still pinned is *held*: its bytes stay
 charged until the last pin goes, so eviction of a pinned block makes no room. A reader's
@@ -62,44 +64,126 @@ class BlockKey(NamedTuple):
     block: int  # block number: the block starts at block * block_size
 
 
-class BufferPool:
-    """Page-aligned buffers of ``buffer_size`` bytes (anonymous mmaps), reused.
+class Buffer:
+    """One pooled buffer: ``view``, a writable, page-aligned memoryview of ``buffer_size``
+    bytes, and ``slot``, its place in the pool's arena (-1: a mapping of its own)."""
 
-    A fresh buffer costs page faults and zeroing of every page on first touch (a fifth of
-    the daemon's CPU in the profile of a cold load); a reused one costs nothing. A released
-    buffer is kept for reuse while at most ``max_mapped`` buffers are mapped in all (the
-    block cache allows as many as its budget holds); beyond that it is unmapped.
-    Thread-safe (the disk writer releases buffers from worker threads).
+    __slots__ = ("slot", "view")
+
+    def __init__(self, slot: int, view: memoryview) -> None:
+        self.slot = slot
+        self.view = view
+
+
+class BufferPool:
+    """Page-aligned buffers of ``buffer_size`` bytes, slots of one arena, reused.
+
+    The arena is one private anonymous mapping of ``max_mapped`` buffers. A fresh page costs
+    a fault and zeroing on first touch (a fifth of the daemon's CPU in an early profile of a
+    cold load); a slot's pages stay mapped once touched, so a reused slot costs nothing.
+
+    Slots of one run are adjacent when the arena allows (``acquire_run``: next fit from
+    where the last run ended), and sequential runs follow each other, so consecutive blocks
+    of a file usually sit back to back in memory: a read that spans them is answered with
+    one view (``span``) instead of being assembled by a copy (the kernel's requests are
+    rarely block-aligned: 88% of a load's 1 MiB reads spanned two blocks). Single buffers
+    (reply buffers) come from the arena's far end, out of the runs' way. When the arena has
+    no free slot, a buffer gets a mapping of its own, unmapped on release (counted in
+    ``buffers_overflow``; the block cache's budget keeps that rare).
+
+    Invariant: a slot is either free (in ``_free``) or owned by exactly one ``Buffer`` handed
+    out and not yet released; ``release`` of a buffer twice raises. Thread-safe (the disk
+    writer releases buffers from worker threads).
     """
 
     def __init__(self, buffer_size: int, max_mapped: int) -> None:
+        if buffer_size % mmap.PAGESIZE:
+            raise ValueError(f"buffer size {buffer_size} is not a multiple of the page size")
         self.buffer_size = buffer_size
         self.max_mapped = max_mapped
-        self._free: list[mmap.mmap] = []
-        self._lock = threading.Lock()
-        self.allocated = 0  # buffers mapped now (in use or free)
-
-    def acquire(self) -> mmap.mmap:
-        with self._lock:
-            if self._free:
-                return self._free.pop()
-            self.allocated += 1
         # Private, not mmap's default shared mapping: shared anonymous memory is shmem, every
         # page of it faulted and zeroed through the shmem layer.
-        return mmap.mmap(-1, self.buffer_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self._arena = mmap.mmap(
+            -1, buffer_size * max_mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        )
+        self._all = memoryview(self._arena)
+        self._free = bytearray(b"\x01") * max_mapped  # 1: the slot is free
+        self._cursor = 0  # where the next run's search starts
+        self._lock = threading.Lock()
+        self.in_use = 0  # buffers handed out and not released (arena or own mapping)
+        self.overflow = 0  # buffers that got a mapping of their own (arena full)
 
-    def release(self, buf: mmap.mmap) -> None:
+    def acquire(self) -> Buffer:
+        """One buffer, from the arena's far end if a slot is free."""
         with self._lock:
-            if self.allocated <= self.max_mapped:
-                self._free.append(buf)
-                return
-            self.allocated -= 1
-        # BufferError: a memoryview still refers to it; the mapping goes when that view does.
+            slot = self._free.rfind(1)
+            if slot >= 0:
+                return self._take(slot)
+            self.in_use += 1
+            self.overflow += 1
+        return self._own()
+
+    def acquire_run(self, count: int) -> list[Buffer]:
+        """``count`` buffers, in adjacent slots when the arena has such a run free."""
+        with self._lock:
+            pattern = b"\x01" * count
+            slot = self._free.find(pattern, self._cursor)
+            if slot < 0:
+                slot = self._free.find(pattern)
+            if slot >= 0:
+                self._cursor = slot + count
+                return [self._take(s) for s in range(slot, slot + count)]
+            out = []
+            for _ in range(count):
+                slot = self._free.find(1)
+                if slot < 0:
+                    break
+                out.append(self._take(slot))
+            missing = count - len(out)
+            self.in_use += missing
+            self.overflow += missing
+        return out + [self._own() for _ in range(missing)]
+
+    def _take(self, slot: int) -> Buffer:
+        self._free[slot] = 0
+        self.in_use += 1
+        size = self.buffer_size
+        return Buffer(slot, self._all[slot * size : (slot + 1) * size])
+
+    def _own(self) -> Buffer:
+        buf = mmap.mmap(-1, self.buffer_size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        return Buffer(-1, memoryview(buf))
+
+    def release(self, buf: Buffer) -> None:
+        view, buf.view = buf.view, memoryview(b"")
+        # A stale use of this Buffer fails instead of reading reused bytes (slices taken of
+        # it stay valid: their owners release them, as Block does).
         with contextlib.suppress(BufferError):
-            buf.close()
+            view.release()
+        with self._lock:
+            if buf.slot >= 0:
+                if self._free[buf.slot]:
+                    raise AssertionError(f"buffer slot {buf.slot} released twice")
+                self._free[buf.slot] = 1
+            self.in_use -= 1
+
+    def span(self, buffers: list[Buffer]) -> memoryview | None:
+        """One view over ``buffers`` when they are adjacent slots in this order, else None."""
+        first = buffers[0].slot
+        if first < 0:
+            return None
+        for n, buf in enumerate(buffers):
+            if buf.slot != first + n:
+                return None
+        size = self.buffer_size
+        return self._all[first * size : (first + len(buffers)) * size]
 
     def statistics(self) -> dict[str, int]:
-        return {"buffers_allocated": self.allocated, "buffers_free": len(self._free)}
+        return {
+            "buffers_in_use": self.in_use,
+            "buffers_overflow": self.overflow,
+            "buffers_capacity": self.max_mapped,
+        }
 
 
 class Block:
@@ -107,11 +191,11 @@ class Block:
 
     __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "view")
 
-    def __init__(self, cache: BlockCache, buffer: mmap.mmap, length: int) -> None:
+    def __init__(self, cache: BlockCache, buffer: Buffer, length: int) -> None:
         self._cache = cache
-        self.buffer = buffer
+        self.buffer: Buffer | None = buffer
         self.length = length  # still known once the buffer went back to the pool
-        self.view = memoryview(buffer)[:length]
+        self.view = buffer.view[:length]
         self.pins = 0  # holders that need the bytes beyond the current trio step
         self.cached = False  # in the LRU now
         self.held = False  # evicted while pinned: still charged to the budget
@@ -131,7 +215,7 @@ class Block:
         if self.pins == 0 and not self.cached and self.buffer is not None:
             self.view.release()
             self._cache.pool.release(self.buffer)
-            self.buffer = None  # type: ignore[assignment]
+            self.buffer = None
             if self.held:
                 self.held = False
                 self._cache._unhold(self.length)
@@ -397,6 +481,23 @@ class BlockCache:
     def new_block(self, length: int) -> Block:
         """A block with an empty pooled buffer, for a fetch to fill."""
         return Block(self, self.pool.acquire(), length)
+
+    def new_blocks(self, lengths: list[int]) -> list[Block]:
+        """Blocks for a run of consecutive blocks, in adjacent buffers when the pool can."""
+        buffers = self.pool.acquire_run(len(lengths))
+        return [Block(self, buf, n) for buf, n in zip(buffers, lengths, strict=True)]
+
+    def span(self, keys: list[BlockKey]) -> memoryview | None:
+        """One view over the cached blocks ``keys`` (consecutive blocks of one version, all
+        but the last whole) when their buffers are adjacent; None otherwise. No hit counted,
+        no LRU change: the caller marks the reads (``get_nowait``)."""
+        buffers = []
+        for key in keys:
+            block = self.peek(key)
+            if block is None or block.buffer is None:
+                return None
+            buffers.append(block.buffer)
+        return self.pool.span(buffers)
 
     def put(self, key: BlockKey, block: Block, reservation: Reservation) -> None:
         """Insert a filled block; its bytes move from ``reservation`` to the cache."""

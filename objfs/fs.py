@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import mmap
 import os
 import stat
 import time
@@ -62,7 +61,7 @@ from typing import TypeVar
 import trio
 
 from objfs.backends.base import Backend, ObjectInfo
-from objfs.block_cache import BlockCache
+from objfs.block_cache import BlockCache, Buffer
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
@@ -233,7 +232,9 @@ class FileSystem:
         self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
         # Answered reads' pooled buffers, still charged to the reply share (see read).
-        self._reply_buffers: list[mmap.mmap] = []
+        self._reply_buffers: list[Buffer] = []
+        self.reads_spanned = 0  # reads across blocks answered with one view (no copy)
+        self.reads_assembled = 0  # reads across blocks assembled by a copy
         self.cache.replies.reclaim = self._release_reply_buffers
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
@@ -840,17 +841,36 @@ class FileSystem:
             finally:
                 # The reply reaches the kernel before the trio thread runs anything else.
                 self.cache.replies.release(nbytes)
-        # A read across blocks (the kernel's requests are rarely block-aligned) is assembled
-        # in a pooled buffer charged to the reply share: no zero-filling, no fresh pages.
-        # Each piece is copied at once (the next block's fetch may wait, and this one may be
-        # evicted meanwhile).
+        # A read across blocks (the kernel's requests are rarely block-aligned): one view
+        # when the blocks sit in adjacent buffers (the usual case, see BufferPool), once
+        # every block is here.
+        keys = [self.fetcher.key(handle, i) for i in range(first, last + 1)]
+        for index, key in zip(range(first, last + 1), keys, strict=True):
+            if not self.cache.contains(key):
+                await self.fetcher.demand(handle, index)
+        joined = self.cache.span(keys)
+        if joined is not None:
+            # No await from the check to the reply: nothing can evict or recycle them.
+            for index, key in zip(range(first, last + 1), keys, strict=True):
+                base = index * bs
+                hi = min(end, base + bs)
+                to_end = hi == base + bs or hi == handle.size
+                if to_end:
+                    handle.served[index] = 1
+                self.cache.get_nowait(key, to_end=to_end)
+            self.reads_spanned += 1
+            return joined[offset - first * bs : end - first * bs]
+        # Else it is assembled in a pooled buffer charged to the reply share: no
+        # zero-filling, no fresh pages. Each piece is copied at once (the next block's fetch
+        # may wait, and this one may be evicted meanwhile).
+        self.reads_assembled += 1
         pooled = end - offset <= self.cache.pool.buffer_size
         nbytes = self.cache.pool.buffer_size if pooled else end - offset
         await self.cache.replies.acquire(nbytes)
-        buf: mmap.mmap | bytearray | None = None
+        buf: Buffer | bytearray | None = None
         try:
             buf = self.cache.pool.acquire() if pooled else bytearray(end - offset)
-            out = memoryview(buf)[: end - offset]
+            out = (buf.view if isinstance(buf, Buffer) else memoryview(buf))[: end - offset]
             for index in range(first, last + 1):
                 base = index * bs
                 lo, hi = max(offset, base), min(end, base + bs)
@@ -863,11 +883,11 @@ class FileSystem:
                     # Around the memory tier, straight into the reply: no second buffer.
                     await self._read_range_into(handle, lo, out[lo - offset : hi - offset])
         except BaseException:
-            if isinstance(buf, mmap.mmap):
+            if isinstance(buf, Buffer):
                 self.cache.pool.release(buf)
             self.cache.replies.release(nbytes)
             raise
-        if isinstance(buf, mmap.mmap):
+        if isinstance(buf, Buffer):
             # The kernel copies the reply before the trio thread runs anything else: the
             # buffer goes back to the pool, and its bytes to the share, when the next read
             # starts, or when a read waiting for the reply share wakes (poke) and reclaims it.
@@ -984,6 +1004,8 @@ class FileSystem:
             "stale_answers": self.stale_answers,
             "open_files": len(self._handles),
             "open_dirs": len(self._dir_handles),
+            "reads_spanned": self.reads_spanned,
+            "reads_assembled": self.reads_assembled,
             **self.cache.statistics(),
             **self.fetcher.statistics(),
             **(self.disk.statistics() if self.disk is not None else {}),

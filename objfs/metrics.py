@@ -362,7 +362,14 @@ class Telemetry:
             "started_at": self.started_at,
             "updated_at": time.time(),
             "metrics_addr": self.config.metrics_addr,
-            "served": {"bytes": served, "reads": int(getattr(self.ops, "reads", 0))},
+            "served": {
+                "bytes": served,
+                "reads": int(getattr(self.ops, "reads", 0)),
+                # Reads across blocks answered with one view of adjacent buffers, and those
+                # assembled by a copy (see FileSystem.read).
+                "spanned": fs.get("reads_spanned", 0),
+                "assembled": fs.get("reads_assembled", 0),
+            },
             "store": {
                 "requests": dict(stats.requests),
                 "bytes_fetched": stats.bytes_fetched,

@@ -337,7 +337,9 @@ class Fetcher:
     ) -> None:
         """Fill claimed blocks [first, stop) from disk or the store, spending ``reservation``
         on each block cached."""
-        blocks = {i: self.cache.new_block(self.length(handle, i)) for i in range(first, stop)}
+        indexes = range(first, stop)
+        new = self.cache.new_blocks([self.length(handle, i) for i in indexes])
+        blocks = dict(zip(indexes, new, strict=True))
         try:
             missing = list(blocks)
             disk = self.disk
