@@ -124,6 +124,7 @@ class Fetcher:
         self._deferred: collections.deque[list[BlockKey]] = collections.deque(maxlen=DEFERRED_RUNS)
         self.disk_deferred = 0  # runs that found the write queue full
         self.disk_not_cached = 0  # blocks of deferred runs evicted before they were written
+        self.worker_wakeups = 0  # idle read-ahead workers woken
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
@@ -214,6 +215,7 @@ class Fetcher:
         """Wake up to ``count`` idle read-ahead workers."""
         while count > 0 and self._idle:
             self._idle.popleft().set()
+            self.worker_wakeups += 1
             count -= 1
 
     def _memory_released(self) -> None:
@@ -494,6 +496,7 @@ class Fetcher:
         return {
             "queued_jobs": len(self._jobs),
             "starved_jobs": len(self._starved),
+            "readahead_wakeups": self.worker_wakeups,
             "disk_write_queue_bytes": self._disk_write_bytes,
             "disk_writes_deferred": self.disk_deferred,
             "disk_blocks_not_cached": self.disk_not_cached,

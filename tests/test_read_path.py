@@ -135,6 +135,25 @@ async def test_sequential_read_fetches_each_part_once(nursery: trio.Nursery) -> 
     assert fs.cache.statistics()["inserts"] == 33
 
 
+async def test_a_reader_wakes_only_the_workers_it_gives_work(nursery: trio.Nursery) -> None:
+    """30 read-ahead workers (the default 32 connections) and a reader consuming 65 blocks in
+    128 KiB reads: a worker is woken per queued job (or to retry jobs that waited for
+    memory), not every worker on every consumed block (which was 30 x 65 wakeups)."""
+    backend = MemoryBackend(latency_s=0.001)
+    data = os.urandom(64 * MiB + 5)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB))
+    fs.start(nursery)
+    assert fs.fetcher.prefetch_workers == 30
+    fh = await open_file(fs, "f.bin")
+    assert await read_all(fs, fh, len(data), chunk=128 * 1024) == data
+    await settle()
+    stats = fs.statistics()
+    parts = -(-len(data) // (4 * MiB))
+    assert stats["readahead_wakeups"] <= 3 * parts, stats
+    assert backend.statistics()["get"] <= parts + 8  # and no block fetched twice
+
+
 async def test_random_reads_fetch_only_what_they_touch(nursery: trio.Nursery) -> None:
     backend = MemoryBackend()
     data = os.urandom(64 * MiB)
