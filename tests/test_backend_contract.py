@@ -358,3 +358,50 @@ async def test_azure_read_into_and_stored_bytes(request: pytest.FixtureRequest) 
         assert await store.backend.read_range("b/packed.json", info.etag, 0, info.size) == packed
     finally:
         await store.backend.aclose()
+
+
+async def test_s3_resolves_each_object_url_once(request: pytest.FixtureRequest) -> None:
+    """S3 only: botocore resolves an object's URL once per (bucket, key) and client, not per
+    GET; the same key in another bucket (a backend of for_bucket) is that bucket's object."""
+    store = _s3_store(request)
+    backend = store.backend
+    s3 = request.getfixturevalue("s3")
+    bucket = request.getfixturevalue("bucket")
+    other_bucket = f"{bucket}-other"
+    one, two, three = os.urandom(3000), os.urandom(2000), os.urandom(1000)
+
+    def upload() -> None:
+        s3.put_object(Bucket=bucket, Key="m/one.bin", Body=one)
+        s3.put_object(Bucket=bucket, Key="m/two.bin", Body=two)
+        s3.create_bucket(Bucket=other_bucket)
+        s3.put_object(Bucket=other_bucket, Key="m/one.bin", Body=three)
+
+    await trio.to_thread.run_sync(upload)
+    from objfs.backends.s3 import S3Backend
+
+    assert isinstance(backend, S3Backend)
+    client = backend._client
+    calls: list[dict[str, object]] = []
+    resolve = client.generate_presigned_url
+
+    def counting(*args: object, **kwargs: object) -> str:
+        calls.append(dict(kwargs.get("Params", {})))  # type: ignore[arg-type]
+        return resolve(*args, **kwargs)  # type: ignore[arg-type]
+
+    client.generate_presigned_url = counting  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            for key, data in (("m/one.bin", one), ("m/two.bin", two)):
+                etag = (await backend.head(key)).etag
+                assert await backend.read_range(key, etag, 5, 100) == data[5:105]
+        other = backend.for_bucket(other_bucket)
+        etag = (await other.head("m/one.bin")).etag
+        assert await other.read_range("m/one.bin", etag, 0, 1000) == three
+    finally:
+        client.generate_presigned_url = resolve  # type: ignore[method-assign]
+        await backend.aclose()
+    assert sorted((c["Bucket"], c["Key"]) for c in calls) == [
+        (bucket, "m/one.bin"),
+        (bucket, "m/two.bin"),
+        (other_bucket, "m/one.bin"),
+    ]

@@ -75,6 +75,8 @@ log = logging.getLogger(__name__)
 
 # Data GETs take their URL from a presigned one (then signed in headers, see _signed_get).
 _URL_EXPIRY_S = 900
+# Object URLs remembered (a model's files many times over); the table is emptied when full.
+_URL_CACHE_KEYS = 4096
 # Retried replies (throttling and server errors); any other status is final.
 _RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 _RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
@@ -214,6 +216,9 @@ class S3Backend(Backend):
             self.region: (self._client, self._check_client)
         }
         self._limiter = trio.CapacityLimiter(options.max_connections)
+        # (bucket, key) -> (the client that resolved it, the object's URL without query);
+        # shared with the backends for_bucket made, any thread (single dict operations).
+        self._urls: dict[tuple[str, str], tuple[S3Client, str]] = {}
         # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
         # the CA settings botocore would use.
         ca_file = options.ca_bundle or os.environ.get("AWS_CA_BUNDLE") or None
@@ -555,10 +560,19 @@ class S3Backend(Backend):
         """The object's URL as botocore resolves it (endpoint, addressing style) and
         ``headers`` plus a SigV4 Authorization header, signed now: refreshed credentials
         apply, and no credential ever sits in a URL (servers and proxies log URLs)."""
-        presigned = self._client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_URL_EXPIRY_S
-        )
-        url = presigned.split("?", 1)[0]  # the query holds only the presigning parameters
+        client = self._client
+        known = self._urls.get((self.bucket, key))
+        if known is not None and known[0] is client:
+            url = known[1]
+        else:
+            # botocore's resolution costs a quarter of a millisecond: once per key and client.
+            presigned = client.generate_presigned_url(
+                "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_URL_EXPIRY_S
+            )
+            url = presigned.split("?", 1)[0]  # the query holds only the presigning parameters
+            if len(self._urls) >= _URL_CACHE_KEYS:
+                self._urls.clear()
+            self._urls[(self.bucket, key)] = (client, url)
         if self.options.no_sign_request:
             return url, headers
         credentials = self._session.get_credentials()
