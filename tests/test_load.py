@@ -132,7 +132,7 @@ def test_opens_reads_and_listings_leak_no_fd_and_no_thread(
         tmp_path / "objfs.log",
         *("--endpoint-url", s3_server.url),
         # Two connections: at most two pooled sockets and two store threads (see below).
-        *("--max-connections", "2", "--memory-limit", "16M"),
+        *("--max-connections", "2", "--memory-limit", "16M", "--part-size", "8M"),
     )
     rng = random.Random(1)
     dirs = {"": ["a", "b", "c"], **{d: sorted(f"w{i}.bin" for i in range(2)) for d in "abc"}}
