@@ -516,9 +516,11 @@ def _buffers(sizes: dict[str, int]) -> dict[str, bytearray]:
     return {key: _BUFFERS[key] for key in sizes}
 
 
-def ceiling_run(url: str, sizes: dict[str, int], threads: int | None, part: int = PART) -> float:
+def ceiling_run(
+    url: str, sizes: dict[str, int], threads: int | None, part_bytes: int = PART
+) -> float:
     """Seconds to GET every shard into memory: ``threads=None`` is one stream per file, else
-    ranged GETs of ``part`` bytes from ``threads`` threads."""
+    ranged GETs of ``part_bytes`` from ``threads`` threads."""
     client = env.s3_client(url, pool=max(threads or 1, len(sizes)))
     buffers = _buffers(sizes)
 
@@ -528,7 +530,7 @@ def ceiling_run(url: str, sizes: dict[str, int], threads: int | None, part: int 
 
     def part(item: tuple[str, int]) -> None:
         key, offset = item
-        end = min(offset + part, sizes[key])
+        end = min(offset + part_bytes, sizes[key])
         resp = client.get_object(
             Bucket=env.MODEL_BUCKET, Key=key, Range=f"bytes={offset}-{end - 1}"
         )
@@ -539,7 +541,7 @@ def ceiling_run(url: str, sizes: dict[str, int], threads: int | None, part: int 
         with ThreadPoolExecutor(len(sizes)) as pool:
             list(pool.map(whole, sizes))
     else:
-        items = [(k, off) for k, size in sizes.items() for off in range(0, size, part)]
+        items = [(k, off) for k, size in sizes.items() for off in range(0, size, part_bytes)]
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(part, items))
     elapsed = time.perf_counter() - start
