@@ -64,6 +64,9 @@ class BlockKey(NamedTuple):
     block: int  # block number: the block starts at block * block_size
 
 
+_RELEASED = -2  # Buffer.slot once the buffer went back to its pool
+
+
 class Buffer:
     """One pooled buffer: ``view``, a writable, page-aligned memoryview of ``buffer_size``
     bytes, and ``slot``, its place in the pool's arena (-1: a mapping of its own)."""
@@ -92,8 +95,8 @@ class BufferPool:
     ``buffers_overflow``; the block cache's budget keeps that rare).
 
     Invariant: a slot is either free (in ``_free``) or owned by exactly one ``Buffer`` handed
-    out and not yet released; ``release`` of a buffer twice raises. Thread-safe (the disk
-    writer releases buffers from worker threads).
+    out and not yet released; ``release`` of a buffer twice raises (arena slot or not).
+    Thread-safe (the disk writer releases buffers from worker threads).
     """
 
     def __init__(self, buffer_size: int, max_mapped: int) -> None:
@@ -155,6 +158,8 @@ class BufferPool:
         return Buffer(-1, memoryview(buf))
 
     def release(self, buf: Buffer) -> None:
+        if buf.slot == _RELEASED:
+            raise AssertionError("a buffer was released twice")
         view, buf.view = buf.view, memoryview(b"")
         # A stale use of this Buffer fails instead of reading reused bytes (slices taken of
         # it stay valid: their owners release them, as Block does).
@@ -166,6 +171,7 @@ class BufferPool:
                     raise AssertionError(f"buffer slot {buf.slot} released twice")
                 self._free[buf.slot] = 1
             self.in_use -= 1
+        buf.slot = _RELEASED
 
     def span(self, buffers: list[Buffer]) -> memoryview | None:
         """One view over ``buffers`` when they are adjacent slots in this order, else None."""

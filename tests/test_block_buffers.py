@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -237,22 +238,23 @@ def test_a_full_arena_hands_out_mappings_of_their_own() -> None:
 def test_a_released_buffer_cannot_be_read_or_released_again() -> None:
     pool = BufferPool(4096, 2)
     buf = pool.acquire()
-    view = buf.view
+    slot, view = buf.slot, buf.view
     pool.release(buf)
     assert len(buf.view) == 0
-    try:
-        bytes(view)
-    except ValueError:
-        pass
-    else:
-        raise AssertionError("a released buffer's view still reads")
-    stale = Buffer(buf.slot, memoryview(bytearray(4096)))
-    try:
-        pool.release(stale)
-    except AssertionError:
-        pass
-    else:
-        raise AssertionError("a free slot was released twice")
+    with pytest.raises(ValueError, match="released memoryview"):
+        bytes(view)  # a stale view fails instead of reading whatever reuses the slot
+    with pytest.raises(AssertionError, match="released twice"):
+        pool.release(buf)
+    with pytest.raises(AssertionError, match="released twice"):
+        pool.release(Buffer(slot, memoryview(bytearray(4096))))  # a free slot
+    run = pool.acquire_run(3)  # two slots, then a mapping of its own
+    assert [b.slot for b in run] == [0, 1, -1]
+    for b in run:
+        pool.release(b)
+    assert pool.in_use == 0
+    with pytest.raises(AssertionError, match="released twice"):
+        pool.release(run[-1])
+    assert pool.in_use == 0
 
 
 class ArenaMachine(RuleBasedStateMachine):
