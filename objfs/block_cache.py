@@ -484,12 +484,9 @@ class BlockCache:
                 event.set()
         self._wake()  # the blocks it cached are evictable by readers' own fetches
 
-    def new_block(self, length: int) -> Block:
-        """A block with an empty pooled buffer, for a fetch to fill."""
-        return Block(self, self.pool.acquire(), length)
-
     def new_blocks(self, lengths: list[int]) -> list[Block]:
-        """Blocks for a run of consecutive blocks, in adjacent buffers when the pool can."""
+        """Blocks with empty pooled buffers for a fetch to fill: a run of consecutive blocks,
+        in adjacent buffers when the pool can."""
         buffers = self.pool.acquire_run(len(lengths))
         return [Block(self, buf, n) for buf, n in zip(buffers, lengths, strict=True)]
 

@@ -1138,10 +1138,8 @@ def _hash(data: BlockData | mmap.mmap) -> int:
         return xxhash.xxh3_64_intdigest(data)
     view = memoryview(data)
     if not view.c_contiguous:
-        view = memoryview(view.tobytes())
-    elif view.format != "B" or view.ndim != 1:
-        view = view.cast("B")
-    return xxhash.xxh3_64_intdigest(view)
+        return xxhash.xxh3_64_intdigest(view.tobytes())
+    return xxhash.xxh3_64_intdigest(_byte_view(view))
 
 
 def _round_up(n: int, multiple: int) -> int:

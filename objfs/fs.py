@@ -830,7 +830,7 @@ class FileSystem:
             # The usual case: one block, answered with a view of its buffer (the kernel copies
             # it before the trio thread runs anything else, so nothing can recycle it first).
             base = first * bs
-            block = await self._block(handle, first, to_end=end == base + bs or end == handle.size)
+            block = await self._block(handle, first, to_end=self._reaches_end(handle, first, end))
             if block is not None:
                 return block[offset - base : end - base]
             # Budget smaller than a block, or evicted again: read around the memory tier.
@@ -851,13 +851,8 @@ class FileSystem:
         joined = self.cache.span(keys)
         if joined is not None:
             # No await from the check to the reply: nothing can evict or recycle them.
-            for index, key in zip(range(first, last + 1), keys, strict=True):
-                base = index * bs
-                hi = min(end, base + bs)
-                to_end = hi == base + bs or hi == handle.size
-                if to_end:
-                    handle.served[index] = 1
-                self.cache.get_nowait(key, to_end=to_end)
+            for index in range(first, last + 1):
+                self._cached(handle, index, to_end=self._reaches_end(handle, index, end))
             self.reads_spanned += 1
             return joined[offset - first * bs : end - first * bs]
         # Else it is assembled in a pooled buffer charged to the reply share: no
@@ -875,7 +870,7 @@ class FileSystem:
                 base = index * bs
                 lo, hi = max(offset, base), min(end, base + bs)
                 block = await self._block(
-                    handle, index, to_end=hi == base + bs or hi == handle.size
+                    handle, index, to_end=self._reaches_end(handle, index, end)
                 )
                 if block is not None:
                     out[lo - offset : hi - offset] = block[lo - base : hi - base]
@@ -904,18 +899,26 @@ class FileSystem:
             self.cache.pool.release(self._reply_buffers.pop())
             self.cache.replies.release(self.cache.pool.buffer_size)
 
+    def _reaches_end(self, handle: Handle, index: int, end: int) -> bool:
+        """Whether a read that ends at ``end`` reaches the last byte of block ``index``."""
+        return end >= (index + 1) * self.block_size or end == handle.size
+
+    def _cached(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | None:
+        """Block ``index`` from the memory tier now, or None. ``to_end``: the read reaches
+        the block's end, so the block is served (never fetched ahead again) and used."""
+        if to_end:
+            handle.served[index] = 1
+        return self.cache.get_nowait(self.fetcher.key(handle, index), to_end=to_end)
+
     async def _block(self, handle: Handle, index: int, *, to_end: bool) -> memoryview | None:
         """Block ``index`` of the handle's version, from the memory tier or fetched now; None
         if the tier cannot hold it (a budget smaller than a block, or evicted again before
         it was read): the caller then reads around the tier."""
-        key = self.fetcher.key(handle, index)
-        if to_end:
-            handle.served[index] = 1
-        data = self.cache.get_nowait(key, to_end=to_end)
+        data = self._cached(handle, index, to_end=to_end)
         if data is not None:
             return data
         await self.fetcher.demand(handle, index)
-        return self.cache.get_nowait(key, to_end=to_end)
+        return self.cache.get_nowait(self.fetcher.key(handle, index), to_end=to_end)
 
     async def _read_random(self, handle: Handle, offset: int, end: int) -> memoryview | None:
         """Bytes [offset, end) for a random read, or None to read through the block cache

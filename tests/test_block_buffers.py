@@ -174,7 +174,7 @@ def test_an_evicted_block_stays_charged_while_pinned() -> None:
     for index in range(2):
         reservation = cache.try_reserve(MiB, demand=True)
         assert reservation is not None
-        block = cache.new_block(MiB)
+        (block,) = cache.new_blocks([MiB])
         cache.put(BlockKey("k", "e", index), block, reservation)
         assert cache.get_nowait(BlockKey("k", "e", index)) is not None  # read: used
         blocks.append(block)
