@@ -159,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument(
         "--part-size",
         metavar="SIZE",
-        default="16M",
+        default="8M",
         help="bytes per ranged GET of read-ahead (default: %(default)s)",
     )
     perf.add_argument(

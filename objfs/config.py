@@ -258,7 +258,7 @@ class S3Options:
     ca_bundle: str | None = None
     # A short connect timeout so an unreachable endpoint fails in seconds, not minutes.
     connect_timeout_s: float = 5.0
-    # Long enough for one 16 MiB ranged GET on a slow link; short enough to notice a stall.
+    # Long enough for one ranged GET on a slow link; short enough to notice a stall.
     read_timeout_s: float = 60.0
     # Attempts per request, the first included (botocore's "standard" retry mode).
     max_attempts: int = 5
@@ -315,12 +315,14 @@ class MountConfig:
     # 1 MiB: the unit of caching and of a random read (rounded to a block); the kernel sends
     # reads of up to 1 MiB once the FUSE connection allows it.
     block_size_bytes: int = 1 << 20
-    # 16 MiB ranged GETs for read-ahead (AWS guidance: 8-16 MiB per request and connection).
-    # Against 8 MiB: half the requests, each of which costs the daemon and the store a fixed
-    # amount of CPU (a cold load here: 5.3-6.0 s against 5.9-6.3 s, daemon 3.1-3.2 CPU s
-    # against 3.5, s3rver 5.0-5.8 against 5.6-6.3); the default budget still holds 15 parts
-    # in flight (at 90 MB/s per connection on S3, 1.3 GB/s).
-    part_size_bytes: int = 16 << 20
+    # 8 MiB ranged GETs for read-ahead (AWS guidance: 8-16 MiB per request and connection).
+    # The read-ahead window (half the default budget, 128 MiB) holds 16 of them in flight
+    # against 8 of 16 MiB: where each connection is slow (S3: 85-90 MB/s per connection; the
+    # benchmark's shaped pass: 50 MB/s), throughput is parts in flight times that rate.
+    # Measured in the shaped pass: cold load 5.5-7.5 s against 8.4-8.7 s with 16 MiB parts;
+    # unshaped (CPU-bound here, where 16 MiB halves the GETs) no slower: 4.8-5.8 s against
+    # 4.7-6.0 s, and tensor parallel 7.2-7.4 s against 6.8-10.2 s.
+    part_size_bytes: int = 8 << 20
     # In-flight plus buffered blocks; see default_memory_limit().
     memory_limit_bytes: int = 1 << 30
     # First read-ahead window of a stream, doubled per sequential read (Mountpoint starts at
