@@ -21,7 +21,6 @@ with ENOTCONN until its owner unmounts it). Only ``--foreground`` is supported f
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import errno
 import logging
@@ -381,26 +380,6 @@ def tune_kernel(config: MountConfig) -> None:
         log.info("FUSE queue for %s: max_background %d", config.mountpoint, background)
 
 
-def limit_heap_growth() -> None:
-    """Keep block buffers on the heap, with a fixed threshold and few arenas.
-
-    Blocks are 1 MiB: above glibc's default mmap threshold, each would be a fresh mapping,
-    faulted in page by page and unmapped again when freed (with a TLB shoot-down across the
-    worker threads), which made most of the daemon's CPU time kernel time. With a fixed 32 MiB
-    threshold they come from the heap and freed blocks are reused; a fixed threshold also stops
-    glibc's dynamic raising, and four arenas bound the fragmentation, so the RSS stays close to
-    the budget (the 8-stream RSS test checks it).
-    """
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    m_trim_threshold, m_arena_max, m_mmap_threshold = -1, -8, -3  # from <malloc.h>
-    libc.mallopt(m_mmap_threshold, 32 * 1024 * 1024)  # glibc's largest allowed value
-    libc.mallopt(m_trim_threshold, 16 * 1024 * 1024)  # keep some free memory for new blocks
-    libc.mallopt(m_arena_max, 4)
-
-
 async def serve_async(
     config: MountConfig, backend: Backend, on_ready: Callable[[], None] = lambda: None
 ) -> None:
@@ -516,7 +495,6 @@ def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd:
             # Mounted already by the process that passed the fd; /dev/fuse need not exist
             # here. Kept as /dev/fd/N: resolving it would name /dev/fuse.
             check_passed_fd(passed_fd)
-        limit_heap_growth()
         backend = backend_factory()
         trio.run(serve_async, config, backend, ready)
     except ObjfsError as exc:
