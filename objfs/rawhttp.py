@@ -34,7 +34,7 @@ import struct
 import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 # An error reply's body (an XML or JSON error document) is read up to this size.
@@ -166,51 +166,28 @@ class ConnectionPool:
     ) -> int:
         """Fill ``views`` with ``resp``'s body (of exactly their total length); the bytes put
         into them, fewer if the peer closed the connection early."""
-        received = 0
+        total = sum(len(v) for v in views)
         if sock is None or isinstance(sock, ssl.SSLSocket):
-            for view in views:
-                filled = 0
-                while filled < len(view):
-                    n = resp.readinto(view[filled:])
-                    if not n:
-                        return received + filled
-                    filled += n
-                received += filled
-            return received
+            return _fill(views, 0, total, resp.readinto)
         # First the body's bytes that http.client's reader buffered with the headers (peek
         # returns them without touching the socket; only when it holds none does it read
         # once), then the rest straight from the socket.
-        body = resp.fp
-        at = 0  # the view being filled
-        filled = 0  # bytes in views[at]
-        buffered = min(len(body.peek(1)), sum(len(v) for v in views))
-        while buffered:
-            n = body.readinto(views[at][filled : filled + buffered])
-            if not n:
-                return received + filled
-            filled += n
-            buffered -= n
-            if filled == len(views[at]):
-                received += filled
-                at, filled = at + 1, 0
+        buffered = min(len(resp.fp.peek(1)), total)
+        done = _fill(views, 0, buffered, resp.fp.readinto)
+        if done < buffered:
+            return done
         sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each receive
         try:
-            while at < len(views):
-                view = views[at]
-                while filled < len(view):
-                    n = sock.recv_into(view[filled:], 0, socket.MSG_WAITALL)
-                    if not n:
-                        return received + filled
-                    filled += n
-                received += filled
-                at, filled = at + 1, 0
+            done = _fill(views, done, total, lambda v: sock.recv_into(v, 0, socket.MSG_WAITALL))
         finally:
             sock.settimeout(self.read_timeout_s)
+        if done < total:
+            return done
         # The body was read behind http.client's back: tell it so, which ends the response
         # and leaves the connection reusable.
         resp.length = 0
         resp.read(0)
-        return received
+        return done
 
     def close(self) -> None:
         with self._lock:
@@ -218,3 +195,21 @@ class ConnectionPool:
         for conns in idle.values():
             for conn in conns:
                 conn.close()
+
+
+def _fill(
+    views: Sequence[memoryview], done: int, until: int, read: Callable[[memoryview], int]
+) -> int:
+    """Put bytes from ``read`` (a ``readinto``) into ``views``, taken as one buffer, from its
+    byte ``done`` up to byte ``until``; where it stopped (short of ``until`` when ``read``
+    returned 0: the peer closed)."""
+    start = 0  # where ``view`` begins in the body
+    for view in views:
+        stop = min(start + len(view), until)
+        while start <= done < stop:
+            n = read(view[done - start : stop - start])
+            if not n:
+                return done
+            done += n
+        start += len(view)
+    return done

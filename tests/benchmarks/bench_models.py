@@ -1174,7 +1174,7 @@ def summarize(r: Results, meta: dict[str, Any]) -> dict[str, Any]:
 
 
 def _target_cell(value: float | None, unit: str, scale: float) -> str:
-    if value is None or math.isnan(value):
+    if value is None or not _known(value):
         return "n/a"
     if unit == "x":
         return f"{value * scale:.2f}x"
