@@ -7,7 +7,9 @@ A development tool, not part of ``make bench``::
 Starts s3rver (data on /dev/shm), uploads the bench model, then runs: a cold load (fresh
 mount, empty caches, page cache dropped), a warm reload, and a remount load (disk cache kept,
 page cache dropped). For each it prints the wall time, the daemon's CPU seconds per GB split
-by thread name (from /proc/PID/task/*/stat), and its peak RSS. ``--py-spy`` records the
+by thread name (from /proc/PID/task/*/stat), and its peak RSS; then the machine's CPU
+seconds meanwhile, split into s3rver, the loader (this process), the daemon and the rest
+(the kernel's own threads: softirqs, writeback, ...). ``--py-spy`` records the
 daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
 """
 
@@ -45,6 +47,20 @@ def thread_cpu(pid: int) -> Counter[str]:
     return out
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid``, its reaped children excluded."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK
+
+
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds the whole machine spent busy (/proc/stat's cpu line: user, nice, system,
+    irq, softirq), and those stolen by the hypervisor (steal: the host ran something else)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK, v[7] / CLK
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -67,6 +83,9 @@ def main() -> None:
         client = env.s3_client(server.url)
         env.upload_tree(client, model, env.MODEL_BUCKET)
         nbytes = sum(f.stat().st_size for f in model.iterdir() if f.suffix == ".safetensors")
+        # Untimed warm-up, as make bench does: the first load imports torch and safetensors
+        # (about 2 CPU s in this process, which the cold load would otherwise include).
+        t_load(sorted(model.glob("*.safetensors")))
         os.environ["AWS_ENDPOINT_URL"] = server.url
         for run in range(args.runs):
             cache_dir = None if args.no_cache_dir else work / f"cache{run}"
@@ -127,8 +146,10 @@ def main() -> None:
                             )
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
+                        who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
                         elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
                         after = thread_cpu(m.pid)
+                        who1 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
                         if spy is not None:
                             spy.send_signal(2)
                             spy.wait()
@@ -154,6 +175,14 @@ def main() -> None:
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
                             f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']} "
                             f"served {served}",
+                            flush=True,
+                        )
+                        s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
+                        machine, steal = (b - a for a, b in zip(who0[2], who1[2], strict=True))
+                        print(
+                            f"{'':8s} machine CPU {machine:.2f} s in {elapsed:.2f} s: s3rver "
+                            f"{s3rver:.2f}, loader {loader:.2f}, daemon {total:.2f}, other "
+                            f"{machine - s3rver - loader - total:.2f}; stolen {steal:.2f}",
                             flush=True,
                         )
     finally:
