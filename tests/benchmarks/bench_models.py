@@ -25,10 +25,13 @@ config and tokenizer files) and 1,000 small objects. Every method reads the same
 "Load" is ``safetensors.torch.load_file`` of every shard followed by touching one byte in every
 4 KiB page of every tensor (what a loader's first use does; summing every byte would hide the
 I/O behind seconds of CPU). "Cold" means a fresh mount with empty caches and the page cache
-dropped; "warm" a second load right after; "remount" a load after unmount and mount again with
-the disk cache kept (page cache dropped). For every FUSE method (the binding ceiling included)
-the daemon's CPU seconds (user + system: its threads and children) during each load are divided
-by the GB the load read (the shards' bytes): "daemon CPU s per GB", cold / warm / remount.
+dropped; "warm" a load right after (the median of 5, as one takes a few tenths of a second);
+"remount" a load after unmount and mount again with the disk cache kept (page cache dropped).
+For every FUSE method (the binding ceiling included) the daemon's CPU seconds (user + system:
+its threads and children) during each load are divided by the GB the load read (the shards'
+bytes): "daemon CPU s per GB", cold / warm / remount. The store's CPU seconds per GB during each
+cold load (s3rver's, whose one JavaScript thread is the busiest thread of a cold load on this
+machine) are reported too, for the mounts, Run:ai and copy first.
 
 A tensor-parallel pass runs 4 processes at once that each ``load_file`` every shard and touch one
 byte per 4 KiB page of their quarter of every tensor's bytes (rank r the r-th quarter), as TP
@@ -87,6 +90,7 @@ SHAPED_DELAY_S = 0.010
 SHAPED_RATE = 50e6
 AZ_CONTAINER = "bench"
 TP_RANKS = 4  # the tensor-parallel measure's processes
+WARM_REPEATS = 5  # a warm load's time is the median of this many (see load_with_cpu)
 TP_START_TIMEOUT_S = 300.0  # for the ranks' imports, on a busy machine
 
 # -- measures -------------------------------------------------------------------------------------
@@ -332,12 +336,29 @@ def load_with_cpu(
     extra: dict[str, Any],
 ) -> None:
     """``t_load`` as the measure ``{phase}_load``, and the daemon's CPU seconds meanwhile:
-    as they are in ``extra``, per GB loaded (the shards' bytes) in ``out``."""
-    cpu0 = m.cpu_s()
-    out[f"{phase}_load"] = t_load(shards)
-    cpu = m.cpu_s() - cpu0
+    as they are in ``extra``, per GB loaded (the shards' bytes) in ``out``.
+
+    A warm load (a few tenths of a second, all from the page cache) is the median of
+    ``WARM_REPEATS`` loads, its CPU their mean: one load is at the mercy of the machine's
+    noise (single warm loads of the same files ranged 0.20-0.37 s in one run). A cold load
+    also records the store's (s3rver's) CPU seconds per GB meanwhile."""
+    repeats = WARM_REPEATS if phase == "warm" else 1
+    cpu0, store0 = m.cpu_s(), store_cpu_s(b)
+    out[f"{phase}_load"] = statistics.median(t_load(shards) for _ in range(repeats))
+    cpu = (m.cpu_s() - cpu0) / repeats
+    store = store_cpu_s(b) - store0
     extra["daemon_cpu_s" if phase == "cold" else f"{phase}_daemon_cpu_s"] = cpu
     out[f"daemon_cpu_per_gb_{phase}"] = cpu / (b.model_bytes / 1e9)
+    if phase == "cold":
+        out["store_cpu_per_gb_cold"] = store / (b.model_bytes / 1e9)
+
+
+def store_cpu_s(b: Bench) -> float:
+    """CPU seconds (user + system, all threads) s3rver, the store of both passes, has used."""
+    import psutil
+
+    times = psutil.Process(b.s3.pid).cpu_times()
+    return float(times.user + times.system)
 
 
 def fuse_run(b: Bench, kind: FuseKind, url: str, full: bool) -> dict[str, float]:
@@ -479,7 +500,7 @@ def local_run(b: Bench) -> dict[str, float]:
     out: dict[str, float] = {}
     b.drop(shards)
     out["cold_load"] = t_load(shards)
-    out["warm_load"] = t_load(shards)
+    out["warm_load"] = statistics.median(t_load(shards) for _ in range(WARM_REPEATS))
     b.drop(shards)
     out["cold_cat"] = t_cat(shards)
     b.drop(shards)
@@ -578,6 +599,7 @@ def runai_run(b: Bench, url: str) -> dict[str, float]:
         "PYTHONPATH": os.pathsep.join([str(env.RUNAI_SITE), str(env.REPO)]),
     }
     uris = [f"s3://{env.MODEL_BUCKET}/{s}" for s in env.SHARDS]
+    store0 = store_cpu_s(b)
     proc = subprocess.run(
         [sys.executable, "-m", "tests.benchmarks.bench_runai", *uris],
         capture_output=True,
@@ -593,7 +615,10 @@ def runai_run(b: Bench, url: str) -> dict[str, float]:
     result = json.loads(lines[-1])
     if "error" in result:
         raise RuntimeError(result["error"])
-    return {"cold_load": float(result["seconds"])}
+    return {
+        "cold_load": float(result["seconds"]),
+        "store_cpu_per_gb_cold": (store_cpu_s(b) - store0) / (b.model_bytes / 1e9),
+    }
 
 
 def copy_first_run(b: Bench, url: str) -> dict[str, float]:
@@ -602,15 +627,21 @@ def copy_first_run(b: Bench, url: str) -> dict[str, float]:
     _rmtree(dest)
     dest.mkdir(parents=True)
     try:
+        store0 = store_cpu_s(b)
         start = time.perf_counter()
         for shard in env.SHARDS:
             client.download_file(env.MODEL_BUCKET, shard, str(dest / shard))
         download = time.perf_counter() - start
+        store = store_cpu_s(b) - store0
         load = t_load([dest / s for s in env.SHARDS])
     finally:
         client.close()
         _rmtree(dest)
-    return {"cold_load": download + load, "download": download}
+    return {
+        "cold_load": download + load,
+        "download": download,
+        "store_cpu_per_gb_cold": store / (b.model_bytes / 1e9),
+    }
 
 
 # -- tensor parallel: 4 ranks load the same model at once ------------------------------------------
@@ -1258,10 +1289,11 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
             "4 KiB random p50 / p99 ms (other file)",
             "daemon CPU s per GB: cold / warm / remount load",
             "daemon peak RSS MiB",
+            "store (s3rver) CPU s per GB, cold load",
             "shaped: GETs / connections / peak open",
         )
     )
-    add("|---|---:|---:|---:|---:|---:|---:|---:|")
+    add("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in (
         "objfs",
         NOCACHE,
@@ -1283,13 +1315,14 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                 _pair(r, "s3", name, "rand4k_bin"),
                 _cpu_cell(r, name),
                 f"{max(rss):.0f}" if rss else "",
+                _cell(r, "s3", name, "store_cpu_per_gb_cold"),
                 _proxy_cell(r, name),
             )
         )
     for pass_, label in (("s3", "unshaped"), ("shaped", "shaped")):
         if r.values(pass_, "server", "rtt4k_p50"):
             pair = _pair(r, pass_, "server", "rtt4k")
-            add(_row(f"server: one 4 KiB ranged GET ({label})", "", "", pair, pair, "", "", ""))
+            add(_row(f"server: one 4 KiB ranged GET ({label})", "", "", pair, pair, "", "", "", ""))
     if r.cells.get("tp"):
         add("")
         add(f"| tensor parallel: {TP_RANKS} ranks at once, cold | wall s | fetched / model bytes |")
