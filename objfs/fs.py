@@ -929,24 +929,23 @@ class FileSystem:
         if any(self.cache.is_cached_or_pending(k) for k in keys):
             return None
         if self.disk is not None and self.disk.enabled:
-            # The blocks read from disk, and their join, are charged to the reply share
-            # until the reply reaches the kernel (before the trio thread runs anything else).
-            nbytes = len(indexes) * bs * (2 if len(indexes) > 1 else 1)
+            # The blocks are read from disk side by side into one buffer (no join), charged
+            # to the reply share until the reply reaches the kernel (before the trio thread
+            # runs anything else).
+            base = indexes[0] * bs
+            nbytes = min(handle.size, (indexes[-1] + 1) * bs) - base
             await self.cache.replies.acquire(nbytes)
             try:
+                buf = memoryview(bytearray(nbytes))
+                wanted = [(i, buf[i * bs - base : (i + 1) * bs - base]) for i in indexes]
                 found = await trio.to_thread.run_sync(
-                    self.fetcher.read_disk_blocks,
+                    self.fetcher.read_disk_blocks_into,
                     handle,
-                    indexes,
+                    wanted,
                     limiter=self.fetcher.disk_read_limiter,
                 )
                 if len(found) == len(indexes):
-                    base = indexes[0] * bs
-                    if len(indexes) == 1:
-                        return memoryview(found[indexes[0]])[offset - base : end - base]
-                    joined = b"".join(found[i] for i in indexes)
-                    return memoryview(joined)[offset - base : end - base]
-                del found
+                    return buf[offset - base : end - base]
             finally:
                 self.cache.replies.release(nbytes)
         start = offset // RANDOM_READ_ALIGN * RANDOM_READ_ALIGN

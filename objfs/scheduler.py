@@ -364,7 +364,7 @@ class Fetcher:
             disk = self.disk
             if disk is not None and disk.enabled:
                 found = await trio.to_thread.run_sync(
-                    self._disk_read_into,
+                    self.read_disk_blocks_into,
                     handle,
                     [(i, blocks[i].view) for i in missing],
                     limiter=self.disk_read_limiter,
@@ -391,18 +391,15 @@ class Fetcher:
 
     # -- the disk tier ---------------------------------------------------------------------
 
-    def _disk_read_into(self, handle: Handle, wanted: list[tuple[int, memoryview]]) -> set[int]:
-        """(Worker thread) Fill the views of the blocks the disk tier holds; their indexes."""
+    def read_disk_blocks_into(
+        self, handle: Handle, wanted: list[tuple[int, memoryview]]
+    ) -> set[int]:
+        """(Worker thread) Fill the views (each its block's length) of the blocks the disk
+        tier holds; their indexes."""
         assert self.disk is not None
         return self.disk.read_blocks_into(
             handle.key, handle.etag, [i for i, _ in wanted], [v for _, v in wanted]
         )
-
-    def read_disk_blocks(self, handle: Handle, indexes: list[int]) -> dict[int, bytes]:
-        """(Worker thread) The blocks the disk tier holds, as bytes (random reads)."""
-        assert self.disk is not None
-        lengths = [self.length(handle, i) for i in indexes]
-        return self.disk.read_blocks(handle.key, handle.etag, indexes, lengths)
 
     def _write_behind(self, blocks: list[tuple[BlockKey, Block]]) -> None:
         """Queue freshly fetched blocks (consecutive ones of one version) for the disk tier,

@@ -260,8 +260,9 @@ class Model:
     violations: list[str] = field(default_factory=list)
     read_block_bytes: int = 0  # bytes of the blocks the reads touched
     slack_bytes: int = 0  # read-ahead a correct implementation may fetch and waste
-    # The largest single read so far: one larger than the reply share passes alone (the
-    # kernel never asks more than 1 MiB at once; this core test does, up to 8 MiB).
+    # The most reply bytes one read so far may hold: the whole blocks it spans. One larger
+    # than the reply share passes alone (the kernel never asks more than 1 MiB at once, two
+    # blocks; this core test does, up to 8 MiB).
     largest_read: int = 0
 
     def config(self) -> MountConfig:
@@ -301,7 +302,11 @@ class Model:
         end = min(offset + size, len(h.data))
         if offset < end:
             self.read_block_bytes += ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
-            self.largest_read = max(self.largest_read, end - offset)
+            # A read's reply buffers are charged at most the whole blocks it spans (the
+            # ReplyGate lets one request larger than its share through alone).
+            self.largest_read = max(
+                self.largest_read, ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
+            )
         faults = self.faults_fired
         try:
             got = bytes(await self.fs.read(h.fh, offset, size))
