@@ -253,6 +253,7 @@ class Model:
     fs: FileSystem = field(init=False)  # the current mount
     mount_number: int = 0
     contents: dict[tuple[int, int], bytes] = field(default_factory=dict)  # (file, version)
+    etags: dict[tuple[int, int], str] = field(default_factory=dict)  # (file, version)
     handles: list[OpenHandle] = field(default_factory=list)  # open, in opening order
     fail_remaining: int = 0
     fail_gets_only: bool = True
@@ -364,6 +365,12 @@ class Model:
                 self.violations.append(f"open of {self.name(file)} raised {exc!r}")
             return
         version = self.versions[file]
+        if self.faults_fired > faults:
+            # The store failed during the open: objfs may have answered from its cached
+            # metadata (--max-stale), so the handle may pin an earlier version, the one
+            # whose ETag it holds.
+            etag = self.fs._handle(fh).etag
+            version = next(v for (f, v), e in self.etags.items() if f == file and e == etag)
         self.handles.append(OpenHandle(fh, file, version, self.contents[file, version]))
         self.slack_bytes += self.read_ahead_slack() if self.world.files[file][1] else self.part
 
@@ -413,7 +420,7 @@ class Model:
             self.versions[file] += 1
             data = content(file, self.versions[file], op.size)
             self.contents[file, self.versions[file]] = data
-            self.backend.put(f"p/{self.name(file)}", data)
+            self.etags[file, self.versions[file]] = self.backend.put(f"p/{self.name(file)}", data)
         elif isinstance(op, FailNext):
             self.fail_remaining += op.count
             self.fail_gets_only = op.gets_only
@@ -485,7 +492,7 @@ async def run_program(world: World, program: Sequence[Mount], tmp: str) -> None:
     backend.fault = model.fault
     for file, (size, _) in enumerate(world.files):
         model.contents[file, 0] = content(file, 0, size)
-        backend.put(f"p/{model.name(file)}", model.contents[file, 0])
+        model.etags[file, 0] = backend.put(f"p/{model.name(file)}", model.contents[file, 0])
     async with trio.open_nursery() as root:
         root.start_soon(watchdog, time.monotonic())
         for number, mounted in enumerate(program):
