@@ -357,6 +357,7 @@ class Model:
 
     async def open(self, file: int) -> None:
         faults = self.faults_fired
+        outage = self.in_outage()
         try:
             node = await self.fs.lookup(ROOT_INODE, self.name(file).encode())
             fh, _ = await self.fs.open(node.inode, os.O_RDONLY)
@@ -364,15 +365,22 @@ class Model:
             if self.faults_fired == faults:
                 self.violations.append(f"open of {self.name(file)} raised {exc!r}")
             return
-        version = self.versions[file]
-        if self.faults_fired > faults:
-            # The store failed during the open: objfs may have answered from its cached
-            # metadata (--max-stale), so the handle may pin an earlier version, the one
-            # whose ETag it holds.
-            etag = self.fs._handle(fh).etag
-            version = next(v for (f, v), e in self.etags.items() if f == file and e == etag)
+        # The version the handle pins: the store's current one, unless the store failed
+        # during the open or was in an outage before it (objfs then answers from its cached
+        # metadata, --max-stale, and tries the store again only every OUTAGE_RETRY_S).
+        etag = self.fs._handle(fh).etag
+        version = next(v for (f, v), e in self.etags.items() if f == file and e == etag)
+        if version != self.versions[file] and not (outage or self.faults_fired > faults):
+            self.violations.append(
+                f"open of {self.name(file)} pinned version {version}, not the store's "
+                f"{self.versions[file]}, with the store reachable"
+            )
         self.handles.append(OpenHandle(fh, file, version, self.contents[file, version]))
         self.slack_bytes += self.read_ahead_slack() if self.world.files[file][1] else self.part
+
+    def in_outage(self) -> bool:
+        """Whether objfs counts the store as unreachable now (an earlier call failed)."""
+        return self.fs._outage_since is not None
 
     async def close_all(self) -> None:
         """Let the work in flight end (the readers, read-ahead), then close every handle."""
@@ -513,6 +521,10 @@ async def run_program(world: World, program: Sequence[Mount], tmp: str) -> None:
                 await model.close_all()
             await model.settle()
             model.check_step(f"closing mount {number}")
+            # Pooled reply buffers are given back lazily, by the next handler that runs (see
+            # ReplyGate): a reader that finished after the last close may have left one.
+            assert model.fs.cache.replies.reclaim is not None
+            model.fs.cache.replies.reclaim()
             stats = model.fs.cache.statistics()
             assert stats["inflight_bytes"] == 0, f"closed mount {number}: {stats}"
             assert stats["reply_bytes"] == 0, f"closed mount {number}: {stats}"
