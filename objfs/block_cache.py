@@ -266,7 +266,7 @@ class Reservation:
 
 class ReplyGate:
     """The share of the budget for short-lived reply buffers: reads assembled across blocks,
-    random reads fetched around the block tier, disk-cache blocks joined for a random read.
+    random reads fetched around the block tier, disk-cache blocks read for a random read.
 
     ``acquire(n)`` waits while ``used + n`` would exceed ``capacity_bytes``; a request larger
     than the whole share passes only when nothing else holds any (so it cannot deadlock, and

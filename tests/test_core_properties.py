@@ -302,12 +302,11 @@ class Model:
         """One ``fs.read``, checked; False if it raised (the caller stops reading)."""
         end = min(offset + size, len(h.data))
         if offset < end:
-            self.read_block_bytes += ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
+            spanned = ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
+            self.read_block_bytes += spanned
             # A read's reply buffers are charged at most the whole blocks it spans (the
             # ReplyGate lets one request larger than its share through alone).
-            self.largest_read = max(
-                self.largest_read, ((end - 1) // BLOCK - offset // BLOCK + 1) * BLOCK
-            )
+            self.largest_read = max(self.largest_read, spanned)
         faults = self.faults_fired
         try:
             got = bytes(await self.fs.read(h.fh, offset, size))
