@@ -16,7 +16,10 @@ and only a Reservation's or a Block's own methods move bytes into or out of the 
   waits: that wait is the backpressure that keeps the daemon inside ``--memory-limit`` without
   prefetches evicting each other's unread data, and a block a reader has read only half of is
   still fresh, so read-ahead never evicts it. A reader's own fetch (demand) may evict fresh
-  blocks too, newest first (the furthest ahead of its reader), so it never waits on read-ahead.
+  blocks too, so it never waits on read-ahead: newest first (the furthest ahead of its
+  reader), those already on disk before the others (they come back as a disk read, not a
+  GET), and never one the disk writer pins (evicting it would free nothing and lose it): if
+  every fresh block is pinned, the reader waits for the writer to let one go.
 * Fresh blocks belong to the open handles of their object version (``open_version`` /
   ``close_version`` count them). When the last handle of a version closes, its fresh blocks
   become *orphans*, and so does any block of that version that a fetch still in flight brings
@@ -195,7 +198,7 @@ class BufferPool:
 class Block:
     """One cached block: ``view`` (its bytes) over a pooled buffer."""
 
-    __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "view")
+    __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "saved", "view")
 
     def __init__(self, cache: BlockCache, buffer: Buffer, length: int) -> None:
         self._cache = cache
@@ -205,6 +208,9 @@ class Block:
         self.pins = 0  # holders that need the bytes beyond the current trio step
         self.cached = False  # in the LRU now
         self.held = False  # evicted while pinned: still charged to the budget
+        # Written to the disk tier, or read from it: a hint (the disk tier may evict its copy
+        # later), used only to choose which unread block a reader's fetch evicts.
+        self.saved = False
 
     def __len__(self) -> int:
         return self.length
@@ -215,6 +221,11 @@ class Block:
     def unpin(self) -> None:
         """Drop a pin (from any thread only through trio's run_sync_soon; see fs)."""
         self.pins -= 1
+        if self.pins == 0 and self.cached:
+            # A cached block the disk writer let go of is evictable now: a reader's fetch
+            # may be waiting for one (see BlockCache._unread_victim). No memory was freed,
+            # so the read-ahead queue is not woken.
+            self._cache._wake_waiters()
         self._maybe_free()
 
     def _maybe_free(self) -> None:
@@ -361,6 +372,7 @@ class BlockCache:
         self.inserts = 0
         self.evictions = 0
         self.orphaned = 0  # fresh blocks whose last handle closed before they were read
+        self.evicted_unread = 0  # fresh blocks a reader's own fetch evicted (refetched later)
         self.peak_bytes = 0
 
     # -- the budget ------------------------------------------------------------------------
@@ -386,10 +398,13 @@ class BlockCache:
         self.peak_bytes = max(self.peak_bytes, self._charged + self.replies.used_bytes)
 
     def _wake(self) -> None:
-        self._space.set()
-        self._space = trio.Event()
+        self._wake_waiters()
         if self.on_space is not None:
             self.on_space()
+
+    def _wake_waiters(self) -> None:
+        self._space.set()
+        self._space = trio.Event()
 
     def try_reserve(self, nbytes: int, *, demand: bool) -> Reservation | None:
         """Reserve ``nbytes`` now, evicting blocks if needed; None if it cannot."""
@@ -560,10 +575,32 @@ class BlockCache:
         elif self._used:
             self._evict_from(self._used)
         elif demand and self._fresh:
-            self._evict_from(self._fresh, newest=True)
+            key = self._unread_victim()
+            if key is None:
+                return False  # every unread block is pinned: evicting one would free nothing
+            self.evicted_unread += 1
+            block = self._fresh.pop(key)
+            self.evictions += 1
+            self._drop(block, wake=False)
         else:
             return False
         return True
+
+    def _unread_victim(self) -> BlockKey | None:
+        """The fresh block a reader's own fetch should evict: the newest (the furthest ahead
+        of its reader) whose copy is on disk (it comes back as a disk read, not a GET), else
+        the newest unpinned one; None if every fresh block is pinned (waiting for the disk
+        writer: evicting it would free no memory and lose the block)."""
+        fallback = None
+        for key in reversed(self._fresh):
+            block = self._fresh[key]
+            if block.pins:
+                continue
+            if block.saved:
+                return key
+            if fallback is None:
+                fallback = key
+        return fallback
 
     def _evict_from(self, blocks: OrderedDict[BlockKey, Block], *, newest: bool = False) -> None:
         _, block = blocks.popitem(last=newest)
@@ -578,6 +615,7 @@ class BlockCache:
             "inserts": self.inserts,
             "evictions": self.evictions,
             "orphaned": self.orphaned,
+            "evicted_unread": self.evicted_unread,
             "cached_bytes": self._cached_bytes,
             "inflight_bytes": self.reserved_bytes,
             "held_bytes": self._held_bytes,

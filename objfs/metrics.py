@@ -381,6 +381,8 @@ class Telemetry:
                 "hits": fs.get("hits", 0),
                 "misses": fs.get("misses", fs.get("inserts", 0)),
                 "evictions": fs.get("evictions", 0),
+                "evicted_unread": fs.get("evicted_unread", 0),
+                "orphaned": fs.get("orphaned", 0),
                 "used_bytes": fs.get("cached_bytes", 0)
                 + fs.get("inflight_bytes", 0)
                 + fs.get("held_bytes", 0)
@@ -602,6 +604,12 @@ class _Collector:
         )
         evictions.add_metric(["memory"], memory["evictions"])
         yield evictions
+        yield counter(
+            "objfs_memory_evicted_unread_blocks",
+            "Blocks fetched ahead of a reader and evicted unread to make room for a reader's own "
+            "fetch (memory pressure: raise --memory-limit if this grows with every load).",
+            memory["evicted_unread"],
+        )
         yield gauge(
             "objfs_memory_used_bytes",
             "Memory budget in use: cached blocks plus fetches in flight.",

@@ -370,7 +370,9 @@ class Fetcher:
                     limiter=self.disk_read_limiter,
                 )
                 for index in found:
-                    self.cache.put(self.key(handle, index), blocks.pop(index), reservation)
+                    block = blocks.pop(index)
+                    block.saved = True
+                    self.cache.put(self.key(handle, index), block, reservation)
                 missing = [i for i in missing if i not in found]
             for run in _runs(missing):
                 start = run[0] * self.block_size
@@ -467,13 +469,16 @@ class Fetcher:
             try:
                 if disk.enabled:
                     first = run[0][0]
-                    await trio.to_thread.run_sync(
+                    stored = await trio.to_thread.run_sync(
                         disk.write_blocks,
                         first.key,
                         first.etag,
                         first.block,
                         [b.view for _, b in run],
                     )
+                    if stored == len(run):  # (a partial write does not say which)
+                        for _, block in run:
+                            block.saved = True
             except Exception:
                 log.exception("disk cache write failed")
             finally:

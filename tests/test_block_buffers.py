@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import trio
+import trio.testing
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -195,6 +196,62 @@ def test_an_evicted_block_stays_charged_while_pinned() -> None:
     assert cache.statistics()["held_bytes"] == 0
     stats = cache.statistics()
     assert stats["buffers_in_use"] == 0
+
+
+async def test_a_readers_fetch_evicts_no_unread_block_that_would_free_nothing() -> None:
+    """A reader's own fetch may evict an unread (fresh) block, but never one the disk
+    writer pins (that frees no memory and loses the block): it takes the newest one already
+    on disk, else the newest unpinned one, else waits until the writer lets one go."""
+    cache = BlockCache(4 * MiB, block_size=MiB)
+    cache.open_version("k", "e")
+    blocks = []
+    for index in range(4):  # four fresh (unread) blocks fill the budget
+        reservation = cache.try_reserve(MiB, demand=False)
+        assert reservation is not None
+        (block,) = cache.new_blocks([MiB])
+        cache.put(BlockKey("k", "e", index), block, reservation)
+        blocks.append(block)
+    for block in blocks:
+        block.pin()  # all queued for the disk
+    blocks[0].saved = True  # (an older one on disk, but still pinned)
+    assert cache.try_reserve(MiB, demand=True) is None
+    assert cache.statistics()["evicted_unread"] == 0
+    assert cache.statistics()["held_bytes"] == 0
+    assert all(cache.contains(BlockKey("k", "e", i)) for i in range(4))
+    # The writer finishes block 1 (not yet marked saved) and block 2 (saved).
+    blocks[1].unpin()
+    blocks[2].saved = True
+    blocks[2].unpin()
+    reservation = cache.try_reserve(MiB, demand=True)
+    assert reservation is not None
+    assert not cache.contains(BlockKey("k", "e", 2)), "the block on disk goes first"
+    assert cache.contains(BlockKey("k", "e", 1))
+    reservation.release()
+    # A reader's fetch waiting for room is woken when the writer lets go of a block.
+    blocks[0].unpin()
+    blocks[3].unpin()
+    filler = cache.try_reserve(MiB, demand=False)  # blocks 0, 1, 3 and this fill the budget
+    assert filler is not None
+    for index in (0, 1, 3):
+        blocks[index].pin()
+    got: list[object] = []
+    async with trio.open_nursery() as nursery:
+
+        async def reader() -> None:
+            got.append(await cache.reserve(MiB, demand=True))
+
+        nursery.start_soon(reader)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not got, "every unread block is pinned: the reader waits"
+        blocks[1].unpin()
+        await trio.testing.wait_all_tasks_blocked()
+        assert got, "the writer let go of a block: the reader's fetch went on"
+    assert not cache.contains(BlockKey("k", "e", 1))
+    assert cache.statistics()["evicted_unread"] == 2
+    assert cache.used_bytes <= cache.capacity_bytes
+    filler.release()
+    got[0].release()  # type: ignore[attr-defined]
+    assert cache.reserved_bytes == 0
 
 
 # -- the arena: adjacent buffers, one view across blocks ------------------------------------

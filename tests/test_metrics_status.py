@@ -89,6 +89,7 @@ def test_metrics_counters_follow_reads(
     assert sample(after, "objfs_cache_hits_total", tier="memory") >= BLOCKS
     assert sample(after, "objfs_cache_misses_total", tier="memory") >= 1
     assert sample(after, "objfs_memory_used_bytes") == SIZE  # every block, nothing in flight
+    assert sample(after, "objfs_memory_evicted_unread_blocks_total") == 0  # room enough
     errors = {dict(k[1])["kind"]: v for k, v in after.items() if k[0] == "objfs_store_errors_total"}
     assert set(errors.values()) == {0}
     assert {"stale", "not_found", "access_denied", "transient", "unreachable"} <= set(errors)

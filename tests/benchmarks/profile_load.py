@@ -68,6 +68,8 @@ def main() -> None:
     p.add_argument("--py-spy", default="")
     p.add_argument("--perf", default="", help="perf record the daemon's cold load into this file")
     p.add_argument("--runs", type=int, default=1)
+    p.add_argument("--cold-only", action="store_true", help="skip the remount load")
+    p.add_argument("--keep-log", default="", help="copy the daemon's log to this path at the end")
     p.add_argument("--extra", default="", help="more objfs mount options, space-separated")
     p.add_argument(
         "--tp", action="store_true", help="load with the tensor-parallel pass's 4 ranks instead"
@@ -98,7 +100,7 @@ def main() -> None:
                 ["--endpoint-url", server.url, *args.extra.split()],
             )
             for phase in ("cold", "remount"):
-                if phase == "remount" and cache_dir is None:
+                if phase == "remount" and (cache_dir is None or args.cold_only):
                     continue
                 cache.drop()
                 with env.mounted("objfs", cmd, mnt, work / "objfs.log") as m:
@@ -174,7 +176,8 @@ def main() -> None:
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
                             f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']} "
-                            f"served {served}",
+                            f"served {served} memory {status['memory']} "
+                            f"store {status['store']['requests']}",
                             flush=True,
                         )
                         s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
@@ -186,6 +189,8 @@ def main() -> None:
                             flush=True,
                         )
     finally:
+        if args.keep_log and (work / "objfs.log").exists():
+            shutil.copy(work / "objfs.log", args.keep_log)
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
