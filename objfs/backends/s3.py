@@ -1,6 +1,6 @@
-"""Amazon S3 and S3-compatible stores (MinIO, Ceph RGW, ...) through boto3.
+"""Amazon S3 and S3-compatible stores (MinIO, Ceph RGW, ...) through botocore.
 
-Concurrency: one boto3 client is shared by every worker thread (clients are thread-safe,
+Concurrency: one botocore client is shared by every worker thread (clients are thread-safe,
 sessions are not). Calls run in ``trio.to_thread.run_sync`` under one CapacityLimiter sized to
 ``max_connections``, and botocore's HTTP pool is sized to match, so no thread ever waits for a
 connection inside botocore (its default pool is only 10).
@@ -41,7 +41,6 @@ import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-import boto3
 import botocore.credentials
 import botocore.exceptions
 import botocore.session
@@ -192,6 +191,8 @@ class S3Backend(Backend):
                 f"--ca-bundle: {options.ca_bundle!r} is not a file: give the PEM file of the "
                 "CA that signed the endpoint's certificate"
             )
+        # botocore's session directly: boto3 adds nothing objfs uses (resources, transfers)
+        # and 3 MiB to the daemon's memory.
         core = botocore.session.Session()
         self._resolver: _ReloadableResolver | None = None
         self._watch = credential_watch
@@ -200,15 +201,17 @@ class S3Backend(Backend):
             self._resolver = _ReloadableResolver(core.get_component("credential_provider"))
             core.register_component("credential_provider", self._resolver)
         try:
-            session = boto3.session.Session(profile_name=options.profile, botocore_session=core)
+            if options.profile is not None:
+                core.set_config_variable("profile", options.profile)
+            core.get_scoped_config()  # raises ProfileNotFound now rather than at the first call
         except botocore.exceptions.ProfileNotFound:
             raise NoCredentialsError(
                 f"AWS profile {options.profile!r} not found: check --profile and "
                 "~/.aws/config (or AWS_CONFIG_FILE)"
             ) from None
-        self._session = session
-        self._client = self._make_client(session, endpoint, options.max_attempts)
-        self._check_client = self._make_client(session, endpoint, _CHECK_ATTEMPTS)
+        self._session = core
+        self._client = self._make_client(core, endpoint, options.max_attempts)
+        self._check_client = self._make_client(core, endpoint, _CHECK_ATTEMPTS)
         #: The region requests are signed for.
         self.region: str = self._client.meta.region_name
         # Clients of other regions, shared with the backends for_bucket made (trio thread).
@@ -263,7 +266,7 @@ class S3Backend(Backend):
 
     def _make_client(
         self,
-        session: boto3.session.Session,
+        session: botocore.session.Session,
         endpoint: str | None,
         attempts: int,
         region: str | None = None,
@@ -281,10 +284,14 @@ class S3Backend(Backend):
         if opts.no_sign_request:
             config_kwargs["signature_version"] = UNSIGNED
         if region is None:
-            region = opts.region or session.region_name or ("us-east-1" if endpoint else None)
+            region = (
+                opts.region
+                or session.get_config_variable("region")
+                or ("us-east-1" if endpoint else None)
+            )
         verify: str | None = opts.ca_bundle  # None: botocore's default (AWS_CA_BUNDLE or certifi)
         try:
-            client: S3Client = session.client(
+            client: S3Client = session.create_client(  # type: ignore[assignment]
                 "s3",
                 endpoint_url=endpoint,
                 region_name=region,
