@@ -811,6 +811,7 @@ class FileSystem:
     async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
         """Return ``size`` bytes from ``offset``, fewer only at end of file."""
         self._release_reply_buffers()
+        self.fetcher.touch()
         handle = self._handle(fh)
         end = min(offset + size, handle.size)
         if offset >= end:

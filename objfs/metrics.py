@@ -349,6 +349,7 @@ class Telemetry:
                 "write_queue_bytes": fs.get("disk_write_queue_bytes", 0),
                 "writes_deferred": fs.get("disk_writes_deferred", 0),
                 "blocks_not_cached": fs.get("disk_blocks_not_cached", 0),
+                "blocks_backfilled": fs.get("disk_blocks_backfilled", 0),
             }
         served = int(getattr(self.ops, "bytes_served", 0))
         get_latency = stats.latency["get"]
@@ -639,8 +640,14 @@ class _Collector:
             yield counter(
                 "objfs_disk_cache_blocks_not_cached",
                 "Fetched blocks not written to the disk cache because the disk fell behind the "
-                "reader and they left memory first.",
+                "reader and they left memory first (fetched again when idle: see backfilled).",
                 disk["blocks_not_cached"],
+            )
+            yield counter(
+                "objfs_disk_cache_blocks_backfilled",
+                "Blocks the disk cache lost during a load, fetched again and written once the "
+                "mount was idle.",
+                disk["blocks_backfilled"],
             )
             yield counter(
                 "objfs_disk_cache_corrupt_blocks",

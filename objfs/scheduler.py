@@ -24,7 +24,11 @@
   in the memory budget while pinned), and the bytes so pinned are bounded (a quarter of the
   budget). A run that finds the queue full is deferred, not waited for: its keys are noted,
   and once the queue has drained to half the bound the blocks of deferred runs that are still
-  in memory are queued; those evicted meanwhile are not cached on disk (counted).
+  in memory are queued; those evicted meanwhile are not cached on disk (counted) but
+  remembered, and the *backfill* fetches them again and writes them once the mount has been
+  idle for ``BACKFILL_IDLE_S`` (no read, no read-ahead, nothing waiting for the disk), with
+  memory only if it is free: after a cold load and a second of idleness the disk tier holds
+  every block it was offered.
 
 Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
 buffers the trio thread owns and never touch the cache.
@@ -59,6 +63,12 @@ DISK_WRITE_THREADS = 2
 WRITE_RUN_BLOCKS = 8
 # Deferred write-behind runs remembered (keys only); older ones are forgotten.
 DEFERRED_RUNS = 4096
+# Blocks lost to the disk tier (evicted before the writer got to them) remembered for the
+# backfill (16 GiB of 1 MiB blocks); older ones are forgotten.
+BACKFILL_BLOCKS = 16384
+# The backfill runs once the mount has been idle this long: no read, no read-ahead, nothing
+# waiting for the disk.
+BACKFILL_IDLE_S = 1.0
 
 
 @dataclass
@@ -121,18 +131,27 @@ class Fetcher:
         self._disk_queued = trio.Event()
         self._disk_write_bytes = 0
         self._disk_written = trio.Event()  # set whenever a queued disk write finishes
-        self._deferred: collections.deque[list[BlockKey]] = collections.deque(maxlen=DEFERRED_RUNS)
+        self._deferred: collections.deque[list[tuple[BlockKey, int]]] = collections.deque(
+            maxlen=DEFERRED_RUNS
+        )
+        # Blocks the disk tier lost (key -> length), fetched again when the mount is idle.
+        self._lost: collections.OrderedDict[BlockKey, int] = collections.OrderedDict()
+        self._lost_noted = trio.Event()
+        self.last_activity = 0.0  # trio time of the last read or fetch (see touch)
+        self.disk_backfilled = 0  # lost blocks fetched again and written when idle
         self.disk_deferred = 0  # runs that found the write queue full
         self.disk_not_cached = 0  # blocks of deferred runs evicted before they were written
         self.worker_wakeups = 0  # idle read-ahead workers woken
 
     def start(self, nursery: trio.Nursery) -> None:
         self._nursery = nursery
+        self.touch()
         for _ in range(self.prefetch_workers):
             nursery.start_soon(self._prefetch_worker)
         if self.disk is not None:
             for _ in range(DISK_WRITE_THREADS):
                 nursery.start_soon(self._disk_writer)
+            nursery.start_soon(self._backfill)
 
     # -- geometry --------------------------------------------------------------------------
 
@@ -416,8 +435,8 @@ class Fetcher:
             if not self._enqueue_write(piece):
                 self.disk_deferred += 1
                 if len(self._deferred) == self._deferred.maxlen:
-                    self.disk_not_cached += len(self._deferred[0])
-                self._deferred.append([key for key, _ in piece])
+                    self._note_lost(self._deferred[0])
+                self._deferred.append([(key, len(block)) for key, block in piece])
 
     def _enqueue_write(self, piece: list[tuple[BlockKey, Block]]) -> bool:
         nbytes = sum(len(b) for _, b in piece)
@@ -444,18 +463,109 @@ class Fetcher:
             self._deferred.clear()
             return
         while self._deferred and self._disk_write_bytes <= self._disk_queue_limit() // 2:
-            keys = self._deferred.popleft()
+            entries = self._deferred.popleft()
             pieces: list[list[tuple[BlockKey, Block]]] = []
-            for key in keys:
+            for key, length in entries:
                 block = self.cache.peek(key)
                 if block is None:
-                    self.disk_not_cached += 1
+                    self._note_lost([(key, length)])
                 elif pieces and key.block == pieces[-1][-1][0].block + 1:
                     pieces[-1].append((key, block))
                 else:
                     pieces.append([(key, block)])
             for piece in pieces:  # each fits: at most half the queue, which is half empty
                 self._enqueue_write(piece)
+
+    # -- the backfill: blocks the disk tier lost, fetched again when idle --------------------
+
+    def touch(self) -> None:
+        """A read arrived or a fetch started: the mount is not idle."""
+        self.last_activity = trio.current_time()
+
+    def _note_lost(self, entries: list[tuple[BlockKey, int]]) -> None:
+        """Blocks evicted before the disk writer got to them: counted, and remembered (the
+        newest ``BACKFILL_BLOCKS``) for the backfill."""
+        self.disk_not_cached += len(entries)
+        for key, length in entries:
+            self._lost[key] = length
+            self._lost.move_to_end(key)
+        while len(self._lost) > BACKFILL_BLOCKS:
+            self._lost.popitem(last=False)
+        self._lost_noted.set()
+
+    def _idle_for(self) -> float:
+        """Seconds the mount has been idle, 0 while anything is queued, fetched or written."""
+        if self._jobs or self._starved or self._disk_queue or self._disk_write_bytes:
+            return 0.0
+        return trio.current_time() - self.last_activity
+
+    def _next_lost_run(self) -> tuple[BlockKey, list[int]] | None:
+        """The oldest lost block and the lost blocks that follow it (one version, up to a
+        part): the first key and their lengths. Blocks back in memory are skipped: their
+        fetch read them from the disk tier, or queued them for it."""
+        while self._lost:
+            first, length = self._lost.popitem(last=False)
+            if self.cache.is_cached_or_pending(first):
+                continue  # fetched again meanwhile: from the disk, or queued for it then
+            lengths = [length]
+            while len(lengths) < self.part_blocks:
+                nxt = BlockKey(first.key, first.etag, first.block + len(lengths))
+                if nxt not in self._lost or self.cache.is_cached_or_pending(nxt):
+                    break
+                lengths.append(self._lost.pop(nxt))
+            return first, lengths
+        return None
+
+    async def _backfill(self) -> None:
+        """Fetch again, when the mount is idle, the blocks the disk tier lost during a burst
+        (evicted from memory before the writer got to them), and write them: after one cold
+        load and a second of idleness the disk tier holds the whole file, so the next start
+        needs no GET for it. Never competes with a reader: it waits for
+        ``BACKFILL_IDLE_S`` of idleness before each run, takes memory only if free
+        (``try_reserve``, evicting only used blocks), and its buffers never enter the cache."""
+        disk = self.disk
+        assert disk is not None
+        while True:
+            if not self._lost:
+                self._lost_noted = trio.Event()
+                await self._lost_noted.wait()
+            idle = self._idle_for()
+            if idle < BACKFILL_IDLE_S:
+                await trio.sleep(BACKFILL_IDLE_S - idle)
+                continue
+            if not disk.enabled:
+                self._lost.clear()
+                continue
+            run = self._next_lost_run()
+            if run is None:
+                continue
+            first, lengths = run
+            reservation = self.cache.try_reserve(sum(lengths), demand=False)
+            if reservation is None:  # memory is busy: this is not idle after all
+                for n, length in enumerate(lengths):
+                    self._lost[BlockKey(first.key, first.etag, first.block + n)] = length
+                self.touch()
+                continue
+            blocks = self.cache.new_blocks(lengths)
+            try:
+                await self.backend.read_into(
+                    first.key, first.etag, first.block * self.block_size, [b.view for b in blocks]
+                )
+                stored = await trio.to_thread.run_sync(
+                    disk.write_blocks, first.key, first.etag, first.block, [b.view for b in blocks]
+                )
+                self.disk_backfilled += stored
+            except Exception as exc:
+                # A newer version replaced it (StaleObjectError), or the store or the disk
+                # failed: no more of this version (its next read fetches what it needs).
+                log.debug("disk cache backfill of %s stopped: %s", first.key, exc)
+                version = (first.key, first.etag)
+                for key in [k for k in self._lost if (k.key, k.etag) == version]:
+                    del self._lost[key]
+            finally:
+                for block in blocks:
+                    block.discard()
+                reservation.release()
 
     async def _disk_writer(self) -> None:
         disk = self.disk
@@ -501,6 +611,7 @@ class Fetcher:
             "readahead_wakeups": self.worker_wakeups,
             "disk_write_queue_bytes": self._disk_write_bytes,
             "disk_writes_deferred": self.disk_deferred,
+            "disk_blocks_backfilled": self.disk_backfilled,
             "disk_blocks_not_cached": self.disk_not_cached,
         }
 

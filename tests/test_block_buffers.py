@@ -167,6 +167,67 @@ async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: P
         assert got == data[index * MiB : (index + 1) * MiB], f"block {index} differs"
 
 
+async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
+    tmp_path: Path,
+) -> None:
+    """A load so much faster than the disk that blocks leave memory before the writer gets
+    to them (a 16 MiB budget, 24 MiB read while no write can finish): they are counted as
+    not cached, then fetched again and written once the mount has been idle for
+    BACKFILL_IDLE_S, so the disk tier ends complete and a new mount reads the file without
+    one GET. Nothing is fetched again while a reader is active."""
+    from objfs import scheduler
+
+    data = os.urandom(24 * MiB)
+    backend = MemoryBackend(latency_s=0.001)
+    backend.put("p/model.bin", data)
+    disk = GatedDisk(tmp_path / "cache")
+    async with trio.open_nursery() as nursery:
+        fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB), disk)
+        fs.start(nursery)
+        try:
+            with trio.fail_after(20):
+                assert await read_file(fs, "model.bin", len(data)) == data
+        finally:
+            disk.gate.set()
+        with trio.fail_after(20):
+            await fs.flush_disk_writes()
+        lost = fs.statistics()["disk_blocks_not_cached"]
+        assert lost > 0, "the test needs blocks the disk lost"
+        gets = backend.statistics()["get"]
+        # A reader that keeps the mount busy (one read per half idle period) holds it off.
+        node = await fs.lookup(ROOT_INODE, b"model.bin")
+        fh, _ = await fs.open(node.inode, os.O_RDONLY)
+        for _ in range(4):
+            await fs.read(fh, 0, 4096)
+            await trio.sleep(scheduler.BACKFILL_IDLE_S / 2)
+        assert fs.statistics()["disk_blocks_backfilled"] == 0
+        fs.release(fh)
+        etag = (await backend.head("p/model.bin")).etag
+        keys = [BlockKey("p/model.bin", etag, index) for index in range(24)]
+        with trio.fail_after(20):
+            while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
+                await trio.sleep(0.05)
+        # Every lost block was fetched again, but block 0 if it was lost: the reader above
+        # fetched it again, and its fetch queued it for the disk.
+        assert lost - 1 <= fs.statistics()["disk_blocks_backfilled"] <= lost
+        assert backend.statistics()["get"] > gets
+        assert fs.cache.reserved_bytes == 0
+        assert fs.cache.used_bytes <= 16 * MiB
+        nursery.cancel_scope.cancel()
+    for index in range(24):
+        got = disk.read(BlockKey("p/model.bin", etag, index), MiB)
+        assert got == data[index * MiB : (index + 1) * MiB], f"block {index} missing or wrong"
+    # A new mount on the same disk tier: the whole file without one GET.
+    before = backend.statistics()["get"]
+    async with trio.open_nursery() as nursery:
+        fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB), disk)
+        fs.start(nursery)
+        with trio.fail_after(20):
+            assert await read_file(fs, "model.bin", len(data)) == data
+        nursery.cancel_scope.cancel()
+    assert backend.statistics()["get"] == before
+
+
 def test_an_evicted_block_stays_charged_while_pinned() -> None:
     """Evicting a block the disk writer pins makes no room: its buffer is still in use."""
     cache = BlockCache(2 * MiB, block_size=MiB)
