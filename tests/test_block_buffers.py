@@ -129,7 +129,9 @@ class GatedDisk(DiskCache):
 async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: Path) -> None:
     """The read finishes while no disk write can (no reply waits for the disk); the queue
     holds at most a quarter of the budget, pinned and charged to it; once the disk catches
-    up, the deferred blocks still in memory are written, so the disk tier ends complete."""
+    up, the deferred blocks still in memory are written, and any the used-block cap evicted
+    meanwhile (a few, when a loaded CPU defers more of them) are backfilled once the mount is
+    idle, so the disk tier ends complete."""
     data = os.urandom(12 * MiB)  # the queue fills (7 MiB at most), the rest is deferred
     backend = MemoryBackend(latency_s=0.001)
     backend.put("p/model.bin", data)
@@ -156,14 +158,20 @@ async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: P
             disk.gate.set()
         with trio.fail_after(20):
             await fs.flush_disk_writes()
+        # The queue and the deferred runs requeued from it wrote every block not lost.
+        early = fs.statistics()
+        assert early["disk_writes"] + early["disk_blocks_not_cached"] == 12, early
+        etag = (await backend.head("p/model.bin")).etag
+        keys = [BlockKey("p/model.bin", etag, index) for index in range(12)]
+        with trio.fail_after(20):
+            while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
+                await trio.sleep(0.05)
         stats = fs.statistics()
         nursery.cancel_scope.cancel()
-    assert stats["disk_blocks_not_cached"] == 0
-    assert stats["disk_writes"] == 12
-    etag = (await backend.head("p/model.bin")).etag
-    for index in range(12):
-        got = disk.read(BlockKey("p/model.bin", etag, index), MiB)
-        assert got is not None, f"block {index} is not on disk"
+    assert stats["disk_blocks_backfilled"] <= stats["disk_blocks_not_cached"], stats
+    assert stats["disk_writes"] >= 12
+    for index, key in enumerate(keys):
+        got = disk.read(key, MiB)
         assert got == data[index * MiB : (index + 1) * MiB], f"block {index} differs"
 
 
@@ -180,6 +188,7 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
     data = os.urandom(24 * MiB)
     backend = MemoryBackend(latency_s=0.001)
     backend.put("p/model.bin", data)
+    backend.put("p/other.bin", b"x" * 4096)
     disk = GatedDisk(tmp_path / "cache")
     async with trio.open_nursery() as nursery:
         fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB), disk)
@@ -194,8 +203,9 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
         lost = fs.statistics()["disk_blocks_not_cached"]
         assert lost > 0, "the test needs blocks the disk lost"
         gets = backend.statistics()["get"]
-        # A reader that keeps the mount busy (one read per half idle period) holds it off.
-        node = await fs.lookup(ROOT_INODE, b"model.bin")
+        # A reader that keeps the mount busy (one read of another file per half idle
+        # period) holds it off.
+        node = await fs.lookup(ROOT_INODE, b"other.bin")
         fh, _ = await fs.open(node.inode, os.O_RDONLY)
         for _ in range(4):
             await fs.read(fh, 0, 4096)
@@ -207,12 +217,14 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
         with trio.fail_after(20):
             while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
                 await trio.sleep(0.05)
-        # Every lost block was fetched again, but block 0 if it was lost: the reader above
-        # fetched it again, and its fetch queued it for the disk.
-        assert lost - 1 <= fs.statistics()["disk_blocks_backfilled"] <= lost
+        # (A lost block that a reader fetched again meanwhile went to the disk with that
+        # fetch: lost counts it, the backfill skips it.)
+        assert 0 < fs.statistics()["disk_blocks_backfilled"] <= lost
         assert backend.statistics()["get"] > gets
-        assert fs.cache.reserved_bytes == 0
         assert fs.cache.used_bytes <= 16 * MiB
+        with trio.fail_after(20):  # a backfill run may still be on its way: it ends
+            while fs.cache.reserved_bytes:  # noqa: ASYNC110 (a poll)
+                await trio.sleep(0.05)
         nursery.cancel_scope.cancel()
     for index in range(24):
         got = disk.read(BlockKey("p/model.bin", etag, index), MiB)
