@@ -579,9 +579,7 @@ class BlockCache:
             if key is None:
                 return False  # every unread block is pinned: evicting one would free nothing
             self.evicted_unread += 1
-            block = self._fresh.pop(key)
-            self.evictions += 1
-            self._drop(block, wake=False)
+            self._evict_from(self._fresh, key)
         else:
             return False
         return True
@@ -602,8 +600,11 @@ class BlockCache:
                 fallback = key
         return fallback
 
-    def _evict_from(self, blocks: OrderedDict[BlockKey, Block], *, newest: bool = False) -> None:
-        _, block = blocks.popitem(last=newest)
+    def _evict_from(
+        self, blocks: OrderedDict[BlockKey, Block], key: BlockKey | None = None
+    ) -> None:
+        """Evict ``key`` from ``blocks``, or their oldest."""
+        block = blocks.popitem(last=False)[1] if key is None else blocks.pop(key)
         if blocks is self._used:
             self._used_bytes -= len(block)
         self.evictions += 1

@@ -126,6 +126,13 @@ class GatedDisk(DiskCache):
         return super().write_blocks(key, etag, first_index, blocks)
 
 
+async def all_on_disk(disk: DiskCache, keys: list[BlockKey]) -> None:
+    """Wait (20 s at most) until the disk tier holds every block of ``keys``."""
+    with trio.fail_after(20):
+        while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
+            await trio.sleep(0.05)
+
+
 async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: Path) -> None:
     """The read finishes while no disk write can (no reply waits for the disk); the queue
     holds at most a quarter of the budget, pinned and charged to it; once the disk catches
@@ -163,9 +170,7 @@ async def test_a_disk_behind_the_reader_defers_writes_and_catches_up(tmp_path: P
         assert early["disk_writes"] + early["disk_blocks_not_cached"] == 12, early
         etag = (await backend.head("p/model.bin")).etag
         keys = [BlockKey("p/model.bin", etag, index) for index in range(12)]
-        with trio.fail_after(20):
-            while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
-                await trio.sleep(0.05)
+        await all_on_disk(disk, keys)
         stats = fs.statistics()
         nursery.cancel_scope.cancel()
     assert stats["disk_blocks_backfilled"] <= stats["disk_blocks_not_cached"], stats
@@ -214,9 +219,7 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
         fs.release(fh)
         etag = (await backend.head("p/model.bin")).etag
         keys = [BlockKey("p/model.bin", etag, index) for index in range(24)]
-        with trio.fail_after(20):
-            while any(disk.read(key, MiB) is None for key in keys):  # noqa: ASYNC110 (a poll)
-                await trio.sleep(0.05)
+        await all_on_disk(disk, keys)
         # (A lost block that a reader fetched again meanwhile went to the disk with that
         # fetch: lost counts it, the backfill skips it.)
         assert 0 < fs.statistics()["disk_blocks_backfilled"] <= lost
