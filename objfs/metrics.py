@@ -467,19 +467,21 @@ class Telemetry:
             with contextlib.suppress(OSError):
                 os.unlink(self._status_path)
 
-    async def run(self, on_ready: Callable[[], None]) -> None:
-        """Write the status file, report readiness, then refresh the file every second.
+    async def run(self, on_ready: Callable[[], None], ready: trio.Event) -> None:
+        """Write the status file, report readiness once ``ready`` is set, then refresh the
+        file every second.
 
-        Started in the nursery that serves FUSE: the first write (and ``on_ready``) happens
-        once the nursery schedules tasks, i.e. when the FUSE loop is reading requests.
+        Started in the nursery that serves FUSE: the first write happens once the nursery
+        schedules tasks, i.e. when the FUSE loop is reading requests.
         """
         await trio.lowlevel.checkpoint()
         try:
             self.write_status()
+            await ready.wait()
             on_ready()
             while True:
-                await trio.sleep(STATUS_INTERVAL_S)
                 self.write_status()
+                await trio.sleep(STATUS_INTERVAL_S)
         finally:
             self.remove_status()
 

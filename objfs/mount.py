@@ -65,6 +65,8 @@ log = logging.getLogger("objfs")
 _READY_TIMEOUT_S = 120.0
 # On unmount, how long to wait for blocks still queued for the disk cache.
 _DISK_FLUSH_TIMEOUT_S = 30.0
+# The kernel sends INIT as it mounts; this bound only keeps READY from waiting forever.
+_INIT_WAIT_S = 30.0
 # Serving a passed fd (/dev/fd/N), the file this names is created just before pyfuse3.init
 # takes the fd: the sidecar (objfs.sidecar_fd) then knows the fd may have been read.
 FD_USED_ENV = "OBJFS_SIDECAR_FD_USED_FILE"
@@ -435,18 +437,32 @@ async def serve_async(
     else:
         log.info("serving %s on fd %d (mounted by another process)", backend.description, passed_fd)
 
+    # READY waits for the kernel tuning: a file keeps the read-ahead it was opened with, so a
+    # loader that opens its shards the moment the mount command returns would otherwise read
+    # them with the kernel's default 128 KiB for as long as they stay open.
+    tuned = trio.Event()
+
     async def tune_after_init() -> None:
-        await ops.initialized.wait()
+        with trio.move_on_after(_INIT_WAIT_S):
+            await ops.initialized.wait()
+        if not ops.initialized.is_set():
+            log.warning(
+                "the kernel sent no FUSE INIT within %.0f s; reporting ready before tuning",
+                _INIT_WAIT_S,
+            )
+            tuned.set()
+            await ops.initialized.wait()
         if passed_fd is None:  # the process that mounted the fd tunes its mount
             tune_kernel(config)
+        tuned.set()
 
     try:
         async with trio.open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(tune_after_init)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)
-            # Writes the status file, then reports READY; refreshes the file every second.
-            nursery.start_soon(telemetry.run, on_ready)
+            # Writes the status file, reports READY once tuned, refreshes the file every second.
+            nursery.start_soon(telemetry.run, on_ready, tuned)
             await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
             if passed_fd is None:
                 log.info("%s was unmounted", config.mountpoint)

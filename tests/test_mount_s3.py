@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from objfs.backends.memory import SyntheticData
-from objfs.mount import mount_entry
+from objfs.mount import _mount_devnum, mount_entry
 from tests.conftest import Mount, put_many, run_mount, run_objfs, sha256
 
 # Keys under the mounted prefix "data" and what each must become. Every rule of the README's
@@ -270,6 +270,12 @@ def test_daemon_mode_returns_once_serving(s3_server: Any, tree_bucket: str, tmp_
         assert res.stderr == ""
         # Live the moment the command returned: no polling.
         assert mount_entry(str(mountpoint)) == ("fuse.objfs", f"s3://{tree_bucket}/data/")
+        if os.geteuid() == 0:
+            # Tuned before READY: a file opened now already gets the raised read-ahead.
+            dev = _mount_devnum(str(mountpoint))
+            assert dev is not None
+            bdi = Path(f"/sys/class/bdi/{dev[0]}:{dev[1]}/read_ahead_kb")
+            assert bdi.read_text().strip() == "16384"
         assert (mountpoint / "readme.txt").read_bytes() == TREE["data/readme.txt"]
         daemons = _daemons_for(f"s3://{tree_bucket}/data")
         assert len(daemons) == 1
