@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from objfs.backends.memory import MemoryBackend
-from objfs.block_cache import BlockCache, BlockKey, Buffer, BufferPool
+from objfs.block_cache import Block, BlockCache, BlockKey, Buffer, BufferPool, Reservation
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.fs import ROOT_INODE, FileSystem
@@ -243,24 +243,39 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
     assert backend.statistics()["get"] == before
 
 
-def test_an_evicted_block_stays_charged_while_pinned() -> None:
-    """Evicting a block the disk writer pins makes no room: its buffer is still in use."""
-    cache = BlockCache(2 * MiB, block_size=MiB)
+def _used_blocks(cache: BlockCache, count: int) -> list[Block]:
+    """``count`` blocks of version ("k", "e"), cached and read to their end (used)."""
     cache.open_version("k", "e")
     blocks = []
-    for index in range(2):
+    for index in range(count):
         reservation = cache.try_reserve(MiB, demand=True)
         assert reservation is not None
         (block,) = cache.new_blocks([MiB])
         cache.put(BlockKey("k", "e", index), block, reservation)
         assert cache.get_nowait(BlockKey("k", "e", index)) is not None  # read: used
         blocks.append(block)
-    blocks[0].pin()
-    blocks[1].pin()
+    return blocks
+
+
+def test_an_evicted_block_stays_charged_while_pinned() -> None:
+    """Evicting a block the disk writer pins makes no room: its buffer is still in use.
+    (Only orphans and removed blocks can be evicted while pinned.)"""
+    cache = BlockCache(2 * MiB, block_size=MiB)
+    cache.open_version("k", "e")
+    blocks = []
+    for index in range(2):
+        reservation = cache.try_reserve(MiB, demand=False)
+        assert reservation is not None
+        (block,) = cache.new_blocks([MiB])
+        cache.put(BlockKey("k", "e", index), block, reservation)
+        block.pin()
+        blocks.append(block)
+    cache.close_version("k", "e")  # both unread: orphans, evicted first, pinned or not
     # Both are evicted for a new reservation, but their bytes stay charged: no room.
     assert cache.try_reserve(MiB, demand=False) is None
     assert cache.used_bytes == 2 * MiB
     assert cache.statistics()["held_bytes"] == 2 * MiB
+    assert not cache.contains(BlockKey("k", "e", 0))
     blocks[0].unpin()  # written: its buffer goes back, its bytes leave the budget
     assert cache.used_bytes == MiB
     reservation = cache.try_reserve(MiB, demand=False)
@@ -272,6 +287,58 @@ def test_an_evicted_block_stays_charged_while_pinned() -> None:
     assert cache.statistics()["held_bytes"] == 0
     stats = cache.statistics()
     assert stats["buffers_in_use"] == 0
+
+
+async def test_a_used_block_the_disk_writer_pins_stays_cached() -> None:
+    """A fetch never evicts a used block the disk writer pins (that frees no memory, and a
+    reader who needs the block again before it is on disk would fetch it from the store): it
+    waits until the writer lets one go, and the unpin wakes it."""
+    cache = BlockCache(2 * MiB, block_size=MiB)
+    blocks = _used_blocks(cache, 2)
+    for block in blocks:
+        block.pin()
+    for demand in (False, True):
+        assert cache.try_reserve(MiB, demand=demand) is None
+    assert cache.statistics()["held_bytes"] == 0
+    assert all(cache.contains(BlockKey("k", "e", i)) for i in range(2))
+    got: list[Reservation] = []
+    woken: list[int] = []
+    cache.on_space = lambda: woken.append(1)  # the read-ahead queue's wake-up
+    async with trio.open_nursery() as nursery:
+
+        async def reserve() -> None:
+            got.append(await cache.reserve(MiB, demand=False))
+
+        nursery.start_soon(reserve)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []
+        blocks[1].unpin()  # written: evictable now
+        await trio.testing.wait_all_tasks_blocked()
+    assert len(got) == 1, "the unpin did not wake the waiting fetch"
+    assert woken
+    assert cache.contains(BlockKey("k", "e", 0)), "the pinned block was evicted"
+    assert not cache.contains(BlockKey("k", "e", 1))
+    got[0].release()
+    blocks[0].unpin()
+    assert cache.statistics()["held_bytes"] == 0
+
+
+def test_a_used_block_on_disk_is_evicted_before_an_older_one_that_is_not() -> None:
+    """Among the least recently used blocks, one already on disk goes first (it comes back
+    as a disk read); without a disk tier (nothing saved) the order is plain LRU."""
+    cache = BlockCache(3 * MiB, block_size=MiB)
+    blocks = _used_blocks(cache, 3)
+    blocks[1].saved = True
+    reservation = cache.try_reserve(MiB, demand=False)
+    assert reservation is not None
+    assert [cache.contains(BlockKey("k", "e", i)) for i in range(3)] == [True, False, True]
+    reservation.release()
+    plain = BlockCache(3 * MiB, block_size=MiB)
+    _used_blocks(plain, 3)
+    reservation = plain.try_reserve(MiB, demand=False)
+    assert reservation is not None
+    assert [plain.contains(BlockKey("k", "e", i)) for i in range(3)] == [False, True, True]
+    reservation.release()
 
 
 async def test_a_readers_fetch_evicts_no_unread_block_that_would_free_nothing() -> None:
