@@ -203,7 +203,7 @@ class BufferPool:
 class Block:
     """One cached block: ``view`` (its bytes) over a pooled buffer."""
 
-    __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "saved", "view")
+    __slots__ = ("_cache", "buffer", "cached", "held", "length", "pins", "saved", "used", "view")
 
     def __init__(self, cache: BlockCache, buffer: Buffer, length: int) -> None:
         self._cache = cache
@@ -213,6 +213,7 @@ class Block:
         self.pins = 0  # holders that need the bytes beyond the current trio step
         self.cached = False  # in the LRU now
         self.held = False  # evicted while pinned: still charged to the budget
+        self.used = False  # in the cache's used LRU (read to its end)
         # Written to the disk tier, or read from it: a hint (the disk tier may evict its copy
         # later), used only to choose which unread block a reader's fetch evicts.
         self.saved = False
@@ -227,10 +228,7 @@ class Block:
         """Drop a pin (from any thread only through trio's run_sync_soon; see fs)."""
         self.pins -= 1
         if self.pins == 0 and self.cached:
-            # A cached block the disk writer let go of is evictable now (no memory was freed
-            # yet): a reader's fetch or a read-ahead job may be waiting for one (see
-            # BlockCache._used_victim and _unread_victim).
-            self._cache._wake()
+            self._cache._unpinned(self)
         self._maybe_free()
 
     def _maybe_free(self) -> None:
@@ -407,6 +405,15 @@ class BlockCache:
         if self.on_space is not None:
             self.on_space()
 
+    def _unpinned(self, block: Block) -> None:
+        """A cached block the disk writer let go of is evictable now, though no memory was
+        freed yet: a used one by any fetch (see ``_used_victim``), so the read-ahead queue is
+        woken too; a fresh one only by a reader's own fetch (see ``_unread_victim``)."""
+        if block.used:
+            self._wake()
+        else:
+            self._wake_waiters()
+
     def _wake_waiters(self) -> None:
         self._space.set()
         self._space = trio.Event()
@@ -539,6 +546,7 @@ class BlockCache:
 
     def _insert_used(self, key: BlockKey, block: Block) -> None:
         self._used[key] = block
+        block.used = True
         self._used_bytes += len(block)
         # Over the used cap: drop the least recently used (never a block just read). The cap
         # is soft: blocks the disk writer pins stay until it lets them go.
@@ -551,6 +559,7 @@ class BlockCache:
     def _remove(self, key: BlockKey) -> None:
         old = self._used.pop(key, None)
         if old is not None:
+            old.used = False
             self._used_bytes -= len(old)
         else:
             old = self._fresh.pop(key, None) or self._orphans.pop(key, None)
@@ -644,6 +653,7 @@ class BlockCache:
         """Evict ``key`` from ``blocks``, or their oldest."""
         block = blocks.popitem(last=False)[1] if key is None else blocks.pop(key)
         if blocks is self._used:
+            block.used = False
             self._used_bytes -= len(block)
         self.evictions += 1
         self._drop(block, wake=False)  # the caller takes the room it made
