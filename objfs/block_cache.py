@@ -30,7 +30,7 @@ and only a Reservation's or a Block's own methods move bytes into or out of the 
   (loaders open a shard for its header, close it, and open it again for its data).
 * Used blocks are also capped on their own (``used_limit_bytes``): the kernel's page cache
   holds what a reader got (objfs opens files with ``keep_cache``), so a used block is mostly a
-  second copy.
+  second copy. The cap is soft: used blocks the disk writer pins stay over it until unpinned.
 
 Buffers: a block's bytes live in a page-aligned buffer from :class:`BufferPool`, filled in
 place by the backend (a socket ``recv_into``) or the disk tier, written to disk from the same
@@ -215,7 +215,7 @@ class Block:
         self.held = False  # evicted while pinned: still charged to the budget
         self.used = False  # in the cache's used LRU (read to its end)
         # Written to the disk tier, or read from it: a hint (the disk tier may evict its copy
-        # later), used only to choose which unread block a reader's fetch evicts.
+        # later), used only to choose which block to evict (_used_victim, _unread_victim).
         self.saved = False
 
     def __len__(self) -> int:
