@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import pytest
 from objfs.backends.memory import SyntheticData
 from objfs.mount import _mount_devnum
 from tests.conftest import Mount, mount_command, put_many, run_mount, sha256
+from tests.helpers.deploy import wait_for
 from tests.helpers.proxy import Proxy
 from tests.helpers.rss import PeakRss
 
@@ -109,10 +109,7 @@ def test_kernel_read_ahead_is_raised(
     # the tuning follows INIT: wait for the line that ends it, on success or on a step it
     # could not do. (Daemon mode tunes before it returns; test_mount_s3 checks that.)
     done = ("FUSE queue for", "kernel tuning:")
-    deadline = time.monotonic() + 30
-    while not any(line in m.log() for line in done):
-        assert time.monotonic() < deadline, m.log()
-        time.sleep(0.05)
+    wait_for("the kernel tuning's last log line", lambda: any(s in m.log() for s in done), 30)
     assert "kernel read-ahead for" in m.log()
     assert bdi.read_text().strip() == "16384"
     conn = Path(f"/sys/fs/fuse/connections/{(dev[0] << 20) | dev[1]}/max_background")
