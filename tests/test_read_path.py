@@ -269,10 +269,13 @@ async def test_concurrent_readers_of_one_block_share_one_get(nursery: trio.Nurse
     assert backend.statistics()["get"] == 1
 
 
-@pytest.mark.parametrize("budget_mib", [8, 64])
+@pytest.mark.parametrize("budget_mib", [8, 72])
 async def test_memory_budget_bounds_buffers(nursery: trio.Nursery, budget_mib: int) -> None:
     """Four streams under a budget: the cache never holds more than the budget, and with room
-    for each stream's parts read-ahead never evicts what a reader has not read yet."""
+    for each stream's parts read-ahead never evicts what a reader has not read yet. (72 MiB:
+    the blocks get the budget less the reply share, 68 MiB; at 64 MiB, 60 MiB for blocks, a
+    reader's own fetch sometimes found every block unread or in flight and evicted one of
+    another stream's, fetched again: 7 of 30 runs.)"""
     backend = MemoryBackend(latency_s=0.001)
     files = {f"f{i}.safetensors": os.urandom(24 * MiB) for i in range(4)}
     for name, data in files.items():
@@ -292,7 +295,7 @@ async def test_memory_budget_bounds_buffers(nursery: trio.Nursery, budget_mib: i
     assert fs.cache.statistics()["peak_bytes"] <= budget_mib * MiB
     total = sum(len(d) for d in files.values())
     fetched = backend.statistics()["get_bytes"]
-    if budget_mib == 64:
+    if budget_mib == 72:
         assert fetched == total, (fetched - total) / MiB  # nothing fetched twice
     else:
         # Two blocks per stream: a reader's own fetch may evict another's unread block, but
