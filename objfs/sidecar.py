@@ -34,7 +34,8 @@ from collections.abc import Mapping
 from types import FrameType
 
 from objfs.errors import MountLostError, NotMountedError, UsageError
-from objfs.mount import mount_entry, setup_logging, unmount
+from objfs.mount import setup_logging, unmount
+from objfs.mountinfo import mount_entry
 
 log = logging.getLogger("objfs.sidecar")
 

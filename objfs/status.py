@@ -17,7 +17,7 @@ from typing import Any
 
 from objfs.errors import DaemonNotAnsweringError, NotMountedError
 from objfs.metrics import STATUS_INTERVAL_S, find_status_files
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 
 #: A status file older than this means the daemon no longer runs its loop.
 DEFAULT_MAX_AGE_S = 10.0

@@ -27,8 +27,8 @@ import pytest
 
 from objfs.config import parse_source
 from objfs.demo import LocalServer
-from objfs.mount import mount_entry
 from objfs.mount_helper import parse_helper_args
+from objfs.mountinfo import mount_entry
 from tests.conftest import Mount, mount_command, run_mount, run_objfs, sha256
 from tests.helpers.iam_moto import enforce_auth, new_access_key
 from tests.helpers.proxy import Answer, Proxy, Request

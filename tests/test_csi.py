@@ -34,7 +34,7 @@ from objfs.csi import DRIVER_NAME, proto
 from objfs.csi.node import socket_name
 from objfs.csi.volume import POD_UID_KEY, VolumeContextError, parse_volume_context
 from objfs.demo import LocalServer
-from objfs.mount import _unescape_mountinfo
+from objfs.mountinfo import _unescape_mountinfo
 from tests.conftest import run_objfs, sha256
 from tests.helpers.known_secrets import remember
 from tests.test_sidecar_fd import NOBODY, SETPRIV

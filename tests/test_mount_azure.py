@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from objfs.demo import build_tiny_model, load_and_generate
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 from tests.azurite import DEV_ACCOUNT, DEV_KEY, put_blobs
 from tests.conftest import Mount, sha256
 from tests.test_mount_s3 import EXPECTED_DIRS, EXPECTED_FILES, TREE, walk

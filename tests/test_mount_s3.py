@@ -16,7 +16,8 @@ import psutil
 import pytest
 
 from objfs.backends.memory import SyntheticData
-from objfs.mount import _mount_devnum, mount_entry
+from objfs.mount import _mount_devnum
+from objfs.mountinfo import mount_entry
 from tests.conftest import Mount, put_many, run_mount, run_objfs, sha256
 
 # Keys under the mounted prefix "data" and what each must become. Every rule of the README's

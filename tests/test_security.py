@@ -21,7 +21,7 @@ import pytest
 
 from objfs.demo import LocalServer, free_port
 from objfs.disk_cache import cached_blocks
-from objfs.mount import _mountinfo_record, mount_entry
+from objfs.mountinfo import _mountinfo_record, mount_entry
 from tests.conftest import (
     Mount,
     force_unmount,

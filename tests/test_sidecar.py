@@ -16,7 +16,7 @@ import pytest
 
 from objfs.demo import LocalServer
 from objfs.errors import UsageError
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 from objfs.sidecar import sidecar_command
 from tests.conftest import mount_command, sha256
 from tests.helpers.deploy import objfs, reaped, sha256_file, wait_for

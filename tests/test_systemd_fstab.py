@@ -25,8 +25,8 @@ import pytest
 from objfs.credentials import read_credentials_file
 from objfs.demo import LocalServer, free_port
 from objfs.errors import UsageError
-from objfs.mount import mount_entry
 from objfs.mount_helper import HelperError, parse_helper_args, translate_options
+from objfs.mountinfo import mount_entry
 from tests.conftest import sha256
 from tests.helpers.deploy import objfs, reaped, sha256_file, unmount_quietly, wait_for
 

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import io
 import os
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
+import objfs.warm as warm_mod
 from tests.conftest import Mount, put_many, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
@@ -56,3 +62,57 @@ def test_warm_single_file_and_errors(mount_s3: Any, s3: Any, bucket: str, tmp_pa
     res = run_objfs("warm", str(m.path), "--jobs", "0")
     assert res.returncode == 2
     assert "--jobs" in res.stderr
+
+
+def test_big_files_are_read_one_at_a_time_small_ones_alongside(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Shards (BIG_FILE_BYTES and up) are read one after another, biggest first, while the
+    other workers read the small files; every file is read once."""
+    big = warm_mod.BIG_FILE_BYTES
+    files = [
+        ("s1", big + 1),
+        ("config.json", 900),
+        ("s2", 3 * big),
+        ("tokenizer.json", 5 * MiB),
+        ("s3", big),
+        ("vocab.txt", 70_000),
+    ]
+    assert warm_mod.plan(files) == [
+        [("s2", 3 * big), ("s1", big + 1), ("s3", big)],
+        [("tokenizer.json", 5 * MiB)],
+        [("vocab.txt", 70_000)],
+        [("config.json", 900)],
+    ]
+    assert warm_mod.plan([("a", 10)]) == [[("a", 10)]]
+
+    lock = threading.Lock()
+    reading: set[str] = set()
+    big_at_once = 0
+    small_beside_big = 0
+    order: list[str] = []
+
+    def fake_read(path: str, progress: warm_mod.Progress) -> None:
+        nonlocal big_at_once, small_beside_big
+        size = dict(files)[path]
+        with lock:
+            reading.add(path)
+            order.append(path)
+            big_now = [p for p in reading if dict(files)[p] >= big]
+            big_at_once = max(big_at_once, len(big_now))
+            if size < big and big_now:
+                small_beside_big += 1
+        time.sleep(0.05)
+        progress.add(size)
+        with lock:
+            reading.discard(path)
+
+    monkeypatch.setattr(warm_mod, "collect", lambda paths: list(files))
+    monkeypatch.setattr(warm_mod, "_read_whole", fake_read)
+    out = io.StringIO()
+    assert warm_mod.warm(["unused"], jobs=3, out=out) == sum(size for _, size in files)
+    assert sorted(order) == sorted(p for p, _ in files)  # each file once
+    assert big_at_once == 1
+    assert [p for p in order if dict(files)[p] >= big] == ["s2", "s1", "s3"]
+    assert small_beside_big >= 1  # the small files did not wait for the shards
+    assert out.getvalue().splitlines()[-1].startswith("warmed 6 files, ")

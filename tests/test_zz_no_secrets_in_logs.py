@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from objfs.mount import _unescape_mountinfo
+from objfs.mountinfo import _unescape_mountinfo
 from tests.helpers.known_secrets import known_secrets
 
 LOG_SUFFIXES = {".log", ".out"}

@@ -20,7 +20,7 @@ import errno
 import os
 from dataclasses import dataclass
 
-from objfs.mount import _mountinfo_record, _unescape_mountinfo
+from objfs.mountinfo import _mountinfo_record, _unescape_mountinfo
 
 MS_RDONLY = 1
 MS_NOSUID = 2

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TypeVar
 
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 
 T = TypeVar("T")
 
