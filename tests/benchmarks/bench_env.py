@@ -393,7 +393,10 @@ def upload_tree(client: Any, local: Path, bucket: str, threads: int = 8) -> None
     """Upload every file under ``local`` to ``bucket`` (keys relative to ``local``)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with contextlib.suppress(client.exceptions.BucketAlreadyOwnedByYou):
+    # A second upload to one bucket: s3rver answers BucketAlreadyExists, S3 ...OwnedByYou.
+    with contextlib.suppress(
+        client.exceptions.BucketAlreadyOwnedByYou, client.exceptions.BucketAlreadyExists
+    ):
         client.create_bucket(Bucket=bucket)
 
     def put(path: Path) -> None:
