@@ -16,11 +16,13 @@ daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -61,6 +63,70 @@ def machine_cpu() -> tuple[float, float]:
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK, v[7] / CLK
 
 
+def wchar(pid: int) -> int:
+    """Bytes process ``pid`` wrote with write(2)/writev(2): for s3rver, what it sent."""
+    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
+        if line.startswith("wchar:"):
+            return int(line.split()[1])
+    return 0
+
+
+class Timeline:
+    """Samples s3rver's CPU and bytes sent and the daemon's CPU every ``step`` seconds while
+    running, and the machine's busy CPU; ``table()`` sums them per ``bucket`` seconds: busy
+    fractions of one core, and MB sent. Shows whether the server was idle (the client asked
+    too little) or busy."""
+
+    def __init__(self, server: int, daemon: int, step: float = 0.05) -> None:
+        self.pids = (server, daemon)
+        self.step = step
+        self.samples: list[tuple[float, float, int, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        server, daemon = self.pids
+        self.samples.append(
+            (
+                time.perf_counter(),
+                process_cpu(server),
+                wchar(server),
+                sum(thread_cpu(daemon).values()),
+                machine_cpu()[0],
+            )
+        )
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.step):
+            self._sample()
+
+    def __enter__(self) -> Timeline:
+        self._sample()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()
+
+    def table(self, bucket: float = 0.5) -> str:
+        t0 = self.samples[0][0]
+        rows = []
+        start = self.samples[0]
+        for sample in self.samples[1:]:
+            if sample[0] - start[0] >= bucket or sample is self.samples[-1]:
+                dt = sample[0] - start[0]
+                rows.append(
+                    f"{start[0] - t0:5.1f}s s3rver {(sample[1] - start[1]) / dt:4.0%} "
+                    f"{(sample[2] - start[2]) / 1e6 / dt:6.0f} MB/s daemon "
+                    f"{(sample[3] - start[3]) / dt:4.0%} machine "
+                    f"{(sample[4] - start[4]) / dt:4.0%}"
+                )
+                start = sample
+        return "\n".join(rows)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
@@ -73,6 +139,11 @@ def main() -> None:
     p.add_argument("--extra", default="", help="more objfs mount options, space-separated")
     p.add_argument(
         "--tp", action="store_true", help="load with the tensor-parallel pass's 4 ranks instead"
+    )
+    p.add_argument(
+        "--timeline",
+        action="store_true",
+        help="print s3rver's and the daemon's CPU and the bytes sent per half second of loads",
     )
     args = p.parse_args()
     env.setup_process_env()
@@ -149,7 +220,11 @@ def main() -> None:
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
                         who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
-                        elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
+                        timeline = Timeline(server.pid, m.pid)
+                        with timeline if args.timeline else contextlib.nullcontext():
+                            elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
+                        if args.timeline and measure != "warm":
+                            print(timeline.table(), flush=True)
                         after = thread_cpu(m.pid)
                         who1 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
                         if spy is not None:
