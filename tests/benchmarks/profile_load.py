@@ -63,35 +63,27 @@ def machine_cpu() -> tuple[float, float]:
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK, v[7] / CLK
 
 
-def wchar(pid: int) -> int:
-    """Bytes process ``pid`` wrote with write(2)/writev(2): for s3rver, what it sent."""
-    for line in Path(f"/proc/{pid}/io").read_text().splitlines():
-        if line.startswith("wchar:"):
-            return int(line.split()[1])
-    return 0
-
-
 class Timeline:
     """Samples s3rver's CPU and bytes sent and the daemon's CPU every ``step`` seconds while
     running, and the machine's busy CPU; ``table()`` sums them per ``bucket`` seconds: busy
     fractions of one core, and MB sent. Shows whether the server was idle (the client asked
     too little) or busy."""
 
-    def __init__(self, server: int, daemon: int, step: float = 0.05) -> None:
-        self.pids = (server, daemon)
+    def __init__(self, server: env.S3rver, daemon: int, step: float = 0.05) -> None:
+        self.server = server
+        self.daemon = daemon
         self.step = step
         self.samples: list[tuple[float, float, int, float, float]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _sample(self) -> None:
-        server, daemon = self.pids
         self.samples.append(
             (
                 time.perf_counter(),
-                process_cpu(server),
-                wchar(server),
-                sum(thread_cpu(daemon).values()),
+                process_cpu(self.server.pid),
+                self.server.bytes_sent(),
+                sum(thread_cpu(self.daemon).values()),
                 machine_cpu()[0],
             )
         )
@@ -220,7 +212,7 @@ def main() -> None:
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
                         who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
-                        timeline = Timeline(server.pid, m.pid)
+                        timeline = Timeline(server, m.pid)
                         with timeline if args.timeline else contextlib.nullcontext():
                             elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
                         if args.timeline and measure != "warm":
