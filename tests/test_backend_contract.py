@@ -405,3 +405,66 @@ async def test_s3_resolves_each_object_url_once(request: pytest.FixtureRequest) 
         (bucket, "m/two.bin"),
         (other_bucket, "m/one.bin"),
     ]
+
+
+async def test_s3_backend_loads_botocore_models_without_their_documentation(
+    s3_server: object, bucket: str
+) -> None:
+    """The S3 backend's session loads botocore's data as plain dicts with every documentation
+    text emptied (the key kept): the model the client works from is the lean one, it still
+    lists, HEADs and reads (the contract above), and loading it holds far less memory."""
+    import tracemalloc
+    from collections import OrderedDict
+
+    from botocore.loaders import JSONFileLoader
+
+    from objfs.backends.s3 import S3Backend, _LeanJSONFileLoader
+    from objfs.config import S3Options
+
+    backend = S3Backend(bucket, S3Options(endpoint_url=s3_server.url))  # type: ignore[attr-defined]
+    try:
+        loader = backend._session.get_component("data_loader")
+        assert isinstance(loader.file_loader, _LeanJSONFileLoader)
+        model = loader.load_service_model("s3", "service-2")
+        # The client's model is the very object the lean loader produced (botocore caches it).
+        assert backend._client.meta.service_model._service_description is model
+        texts: list[str] = []
+        dicts = 0
+
+        def walk(node: object) -> None:
+            nonlocal dicts
+            if isinstance(node, dict):
+                dicts += 1
+                assert not isinstance(node, OrderedDict)
+                if isinstance(node.get("documentation"), str):
+                    texts.append(node["documentation"])
+                for value in node.values():
+                    walk(value)
+            elif isinstance(node, list):
+                for value in node:
+                    walk(value)
+
+        walk(model)
+        # The whole model, its documentation keys kept.
+        assert dicts > 1000
+        assert len(texts) > 500
+        assert set(texts) == {""}
+        assert backend._client.meta.service_model.operation_model("GetObject").documentation == ""
+        assert (await backend.check("")) is False  # an empty bucket, listed through the model
+    finally:
+        await backend.aclose()
+
+    import botocore
+
+    path = os.path.join(os.path.dirname(botocore.__file__), "data", "s3", "2006-03-01", "service-2")
+    held = {}
+    for file_loader in (JSONFileLoader(), _LeanJSONFileLoader()):
+        tracemalloc.start()
+        try:
+            data = file_loader.load_file(path)
+            held[type(file_loader).__name__] = tracemalloc.get_traced_memory()[0]
+        finally:
+            tracemalloc.stop()
+        assert data["metadata"]["endpointPrefix"] == "s3"
+        del data
+    assert held["_LeanJSONFileLoader"] < 0.5 * held["JSONFileLoader"]

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import gzip
+import json
 import logging
 import os
 import random
@@ -43,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import botocore.credentials
 import botocore.exceptions
+import botocore.loaders
 import botocore.session
 import trio
 from botocore import UNSIGNED
@@ -194,6 +197,7 @@ class S3Backend(Backend):
         # botocore's session directly: boto3 adds nothing objfs uses (resources, transfers)
         # and 3 MiB to the daemon's memory.
         core = botocore.session.Session()
+        _use_lean_models(core)
         self._resolver: _ReloadableResolver | None = None
         self._watch = credential_watch
         if credential_watch is not None and not options.no_sign_request and not options.profile:
@@ -623,6 +627,40 @@ class S3Backend(Backend):
 
     async def aclose(self) -> None:
         self._data.close()
+
+
+class _LeanJSONFileLoader(botocore.loaders.JSONFileLoader):
+    """botocore's JSON data files loaded as plain dicts, without their documentation texts.
+
+    botocore keeps what it loads for a client as long as the client lives: the endpoints
+    table, the S3 model and its endpoint rules, 11.2 MiB of Python objects, as ``OrderedDict``
+    (a third bigger than a dict) with every operation's and shape's documentation (half of
+    the S3 model). objfs never renders documentation: each text becomes "" while the file is
+    parsed (the key stays: botocore indexes some of them). tracemalloc: the endpoints 6.7 ->
+    3.9 MiB, the S3 model 3.2 -> 1.2, its endpoint rules 1.3 -> 0.8; the daemon's RSS with
+    its S3 clients 6 MiB less."""
+
+    def load_file(self, file_path: str) -> Any:
+        """The data of ``file_path`` + ``.json`` (or ``.json.gz``), None if neither exists."""
+        for ext, opener in ((".json", open), (".json.gz", gzip.open)):
+            if os.path.isfile(file_path + ext):
+                with opener(file_path + ext, "rb") as fp:
+                    payload = fp.read()
+                return json.loads(payload.decode("utf-8"), object_pairs_hook=_without_documentation)
+        return None
+
+
+def _without_documentation(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    # The key stays (botocore indexes some of them), its text becomes the shared "".
+    return {k: "" if k == "documentation" and isinstance(v, str) else v for k, v in pairs}
+
+
+def _use_lean_models(session: botocore.session.Session) -> None:
+    """Make ``session`` load botocore's data files with :class:`_LeanJSONFileLoader` (an
+    unexpected loader, from a botocore that changed, is left as it is)."""
+    loader = session.get_component("data_loader")
+    if type(getattr(loader, "file_loader", None)) is botocore.loaders.JSONFileLoader:
+        loader.file_loader = _LeanJSONFileLoader()
 
 
 def _backoff_s(retry: int) -> float:
