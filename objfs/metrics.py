@@ -12,6 +12,13 @@ The status file lives under :func:`runtime_dir` and is named after the mountpoin
 ``objfs status`` answers without touching the mount: it works while the mount hangs, and the
 serving process never stats its own mountpoint (that would deadlock it). All figures are
 plain integers updated on the trio thread; the HTTP thread only reads them.
+
+A daemon that is killed (SIGKILL, the OOM killer, a node that loses power with a persistent
+runtime folder) cannot remove its status file. When a daemon first writes its own, it
+removes those of daemons that are gone: a status file (or a temporary one) not rewritten for
+:data:`STALE_STATUS_S` whose pid no longer runs. Both conditions, because a pid can be
+reused, and a daemon in another pid namespace that shares the folder looks gone by its pid
+but rewrites its file every second.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import stat
 import tempfile
 import time
@@ -265,6 +273,61 @@ def _runtime_dirs() -> list[str]:
     return dirs
 
 
+#: A status file this old (not rewritten), of a pid that no longer runs, is removed.
+STALE_STATUS_S = 60.0
+
+
+def pid_gone(pid: int) -> bool:
+    """True when no process ``pid`` runs (in this pid namespace)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, ValueError):
+        return False  # another user's process, or not a pid at all (kept: not ours to judge)
+    return False
+
+
+def remove_stale_status_files(folder: str, *, now: float | None = None) -> int:
+    """Remove the status files in ``folder`` left by daemons that are gone (see the module's
+    docstring); returns how many. Files that are not status files are never touched."""
+    now = time.time() if now is None else now
+    removed = 0
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return 0
+    for name in names:
+        temporary = name.startswith(".status-")
+        if not (temporary or _STATUS_NAME.fullmatch(name)):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+                continue
+            if now - st.st_mtime < STALE_STATUS_S:
+                continue
+            if not temporary:
+                with open(path, "rb") as f:
+                    text = f.read(1 << 20)
+                try:
+                    data = json.loads(text)
+                except ValueError:
+                    data = None  # not written by a daemon (each write is whole): nobody's
+                pid = data.get("pid") if isinstance(data, dict) else None
+                if isinstance(pid, int) and pid > 0 and not pid_gone(pid):
+                    continue
+            os.unlink(path)
+            removed += 1
+        except OSError:
+            continue
+    return removed
+
+
+_STATUS_NAME = re.compile(r"[0-9a-f]{32}\.json")
+
+
 def status_file_name(mountpoint: str) -> str:
     return hashlib.sha256(os.fsencode(mountpoint)).hexdigest()[:32] + ".json"
 
@@ -438,6 +501,9 @@ class Telemetry:
                     self._status_path = os.path.join(
                         folder, status_file_name(self.config.mountpoint)
                     )
+                    removed = remove_stale_status_files(folder)
+                    if removed:
+                        log.info("removed %d status files of daemons that are gone", removed)
                     break
             else:
                 self._status_failed = True

@@ -16,7 +16,7 @@ import time
 from typing import Any
 
 from objfs.errors import DaemonNotAnsweringError, NotMountedError
-from objfs.metrics import STATUS_INTERVAL_S, find_status_files
+from objfs.metrics import STATUS_INTERVAL_S, find_status_files, pid_gone
 from objfs.mountinfo import mount_entry
 
 #: A status file older than this means the daemon no longer runs its loop.
@@ -28,16 +28,6 @@ def _resolve(path: str) -> str:
     # would hang on a stuck mount.
     absolute = os.path.abspath(path)
     return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process (a root daemon seen by a user)
-    return True
 
 
 def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str, Any]:
@@ -74,7 +64,7 @@ def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str,
             "container (set OBJFS_RUNTIME_DIR alike for both)"
         )
     pid = int(newest.get("pid", 0))
-    if pid <= 0 or not _pid_alive(pid):
+    if pid <= 0 or pid_gone(pid):
         raise DaemonNotAnsweringError(
             f"the objfs daemon of {path} (pid {pid}) is gone: run `objfs unmount --force "
             f"{path}` and mount again"

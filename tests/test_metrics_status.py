@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,75 @@ def test_status_answers_while_the_daemon_hangs_and_after_it_died(
         res = objfs("status", str(mnt), env=runtime_env)
         assert res.returncode == 15
         assert res.stderr == f"objfs: error: {mnt} is not mounted\n"
+
+
+def _reaped_pid() -> int:
+    child = subprocess.Popen(["true"])
+    child.wait()
+    return child.pid
+
+
+def test_status_files_of_daemons_that_are_gone_are_removed(tmp_path: Path) -> None:
+    """Only a status file both old and of a pid that no longer runs (or holding no pid) is
+    removed, and old temporary files; anything else in the folder stays."""
+    from objfs.metrics import STALE_STATUS_S, remove_stale_status_files, status_file_name
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    dead = _reaped_pid()
+    old = time.time() - STALE_STATUS_S - 5
+
+    def status(name: str, pid: object, *, age_old: bool, text: str | None = None) -> Path:
+        path = folder / status_file_name(name)
+        path.write_text(text if text is not None else json.dumps({"pid": pid}))
+        if age_old:
+            os.utime(path, (old, old))
+        return path
+
+    gone = status("/gone", dead, age_old=True)
+    garbage = status("/garbage", None, age_old=True, text="{not json")
+    fresh_dead = status("/fresh", dead, age_old=False)  # a daemon of another pid namespace
+    old_alive = status("/stuck", os.getpid(), age_old=True)  # a daemon whose loop hangs
+    other = folder / "notes.json"
+    other.write_text("{}")
+    os.utime(other, (old, old))
+    old_tmp = folder / ".status-abc123"
+    old_tmp.write_text("{")
+    os.utime(old_tmp, (old, old))
+    new_tmp = folder / ".status-def456"
+    new_tmp.write_text("{")
+
+    assert remove_stale_status_files(str(folder)) == 3
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        p.name for p in (fresh_dead, old_alive, other, new_tmp)
+    )
+    assert not gone.exists()
+    assert not garbage.exists()
+    assert remove_stale_status_files(str(folder)) == 0
+    assert remove_stale_status_files(str(tmp_path / "missing")) == 0
+
+
+def test_a_mount_removes_the_status_files_of_daemons_that_are_gone(
+    mount_s3: Any, s3: Any, bucket: str, runtime_env: dict[str, str]
+) -> None:
+    from objfs.metrics import STALE_STATUS_S, status_file_name
+
+    folder = Path(runtime_env["OBJFS_RUNTIME_DIR"])
+    folder.mkdir()
+    stale = folder / status_file_name("/a/mount/of/a/killed/daemon")
+    stale.write_text(json.dumps({"pid": _reaped_pid(), "mountpoint": "/a/mount"}))
+    old = time.time() - STALE_STATUS_S - 5
+    os.utime(stale, (old, old))
+    s3.put_object(Bucket=bucket, Key="g/a.txt", Body=b"here")
+    m = mount_s3(f"s3://{bucket}/g", env=runtime_env)
+    assert (m.path / "a.txt").read_bytes() == b"here"
+    wait_for(
+        "the daemon's own status file",
+        lambda: objfs("status", "--probe", str(m.path), env=runtime_env).returncode == 0,
+    )
+    assert not stale.exists()
+    assert [p.name for p in folder.iterdir()] == [status_file_name(str(m.path))]
+    assert "removed 1 status files of daemons that are gone" in m.log()
 
 
 def test_unmount_if_dead_leaves_a_live_mount_alone(
