@@ -1,20 +1,26 @@
-"""Sequential-stream detection and the read-ahead window, per open file.
+"""Sequential-stream detection and the read-ahead window, per open file version.
 
-One open file may carry several streams: a loader that maps a file and touches tensors in
-order is one stream, but several processes reading one file through one descriptor
-(diffusers, forked workers) are several, interleaved. So a handle keeps up to
-``MAX_STREAMS`` streams and matches each read to the stream it continues:
+One file may carry several streams: a loader that maps a file and touches tensors in order
+is one stream, but several processes reading one file (diffusers, forked workers,
+tensor-parallel ranks) are several, interleaved. The open handles of one version share one
+:class:`Readahead` (see :mod:`objfs.fs`), which keeps up to ``MAX_STREAMS`` streams and
+matches each read, whoever's, to the stream it continues. Tensor-parallel ranks each read
+their part of every tensor: a rank's jump to its part of the next tensor is far from its own
+last read but continues where another rank's reads ended, so together they are one stream
+that grows its window, where streams per handle restarted small at every tensor:
 
 * a read continues a stream when it starts between ``BACKWARD_TOLERANCE`` (or the stream's
   window, if larger) before and ``FORWARD_TOLERANCE`` after the stream's next expected offset
   (the kernel reorders and skips a little);
 * a continued stream doubles its window, from ``initial_window`` up to its share of
-  ``max_window`` (the handle's read-ahead budget, split evenly among its streams: sixteen
+  ``max_window`` (the version's read-ahead budget, split evenly among its streams: sixteen
   readers of one file must not each ask for the whole budget, or their prefetches evict each
   other's unread blocks);
 * a read that continues no stream starts one; at offset 0 it is presumed sequential (files
   are read from the start), elsewhere it is random until its next read continues it, and a
-  random read fetches only the blocks it touches.
+  random read fetches only the blocks it touches. Only the reader that started a random
+  stream continues it (``owner``): random readers side by side must not look sequential
+  together.
 
 This module only decides *what* to fetch; :mod:`objfs.fs` fetches it. Pure and synchronous, so
 it is tested without I/O.
@@ -29,7 +35,7 @@ MiB = 1024 * 1024
 # faults arrive slightly out of order.
 FORWARD_TOLERANCE = 16 * MiB
 BACKWARD_TOLERANCE = 1 * MiB
-# More streams than this on one handle are treated as random access (torch_io and
+# More streams than this on one version are treated as random access (torch_io and
 # safetensors-style loaders read one file from up to 16 threads).
 MAX_STREAMS = 16
 
@@ -37,9 +43,10 @@ MAX_STREAMS = 16
 @dataclass
 class Stream:
     next_offset: int
-    window: int
+    window: int  # 0: started by a random read and not continued yet
     scheduled_until: int  # prefetch has been requested for [.., scheduled_until)
     last_used: int
+    owner: int = 0  # the reader whose read started it
 
 
 class Readahead:
@@ -57,8 +64,12 @@ class Readahead:
         # the range just returned, so that a prefetch its reader has overtaken is dropped.
         self.last_stream: Stream | None = None
 
-    def _match(self, offset: int) -> Stream | None:
+    def _match(self, offset: int, reader: int) -> Stream | None:
         for stream in self.streams:
+            if stream.window == 0 and stream.owner != reader:
+                # Random so far: only its own reader's next read makes it a stream (random
+                # readers of one file side by side must not look sequential together).
+                continue
             # Behind the stream: within the tolerance, or within its own window (requests the
             # kernel issued together may arrive a little out of order).
             behind = max(BACKWARD_TOLERANCE, stream.window)
@@ -66,16 +77,17 @@ class Readahead:
                 return stream
         return None
 
-    def on_read(self, offset: int, length: int) -> tuple[int, int] | None:
-        """Record a read of ``length`` bytes at ``offset``; return the byte range
-        ``(start, end)`` to prefetch now (never overlapping earlier requests), or None."""
+    def on_read(self, offset: int, length: int, reader: int = 0) -> tuple[int, int] | None:
+        """Record a read of ``length`` bytes at ``offset`` by ``reader`` (an open handle of
+        the file); return the byte range ``(start, end)`` to prefetch now (never overlapping
+        earlier requests), or None."""
         self._clock += 1
         end = min(offset + length, self.size)
-        stream = self._match(offset)
+        stream = self._match(offset, reader)
         self.last_random = stream is None and offset != 0
         if stream is None:
             window = self.initial_window if offset == 0 else 0
-            stream = Stream(end, window, end, self._clock)
+            stream = Stream(end, window, end, self._clock, reader)
             if len(self.streams) >= MAX_STREAMS:
                 self.streams.remove(min(self.streams, key=lambda s: s.last_used))
             self.streams.append(stream)

@@ -212,6 +212,7 @@ def main() -> None:
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
                         who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        sent0 = server.bytes_sent()
                         timeline = Timeline(server, m.pid)
                         with timeline if args.timeline else contextlib.nullcontext():
                             elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
@@ -219,6 +220,7 @@ def main() -> None:
                             print(timeline.table(), flush=True)
                         after = thread_cpu(m.pid)
                         who1 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        sent = server.bytes_sent() - sent0
                         if spy is not None:
                             spy.send_signal(2)
                             spy.wait()
@@ -242,7 +244,9 @@ def main() -> None:
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
-                            f"fetched {fetched / nbytes:.3f}x [{top}] disk {status['disk']} "
+                            f"fetched {sent / nbytes:.3f}x during the load, "
+                            f"{fetched / nbytes:.3f}x by the status 1.2 s later (the backfill) "
+                            f"[{top}] disk {status['disk']} "
                             f"served {served} memory {status['memory']} "
                             f"store {status['store']['requests']}",
                             flush=True,
