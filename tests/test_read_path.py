@@ -304,13 +304,23 @@ async def test_memory_budget_bounds_buffers(nursery: trio.Nursery, budget_mib: i
         assert total <= fetched <= total * 5 // 4
 
 
-async def test_released_handle_cancels_its_read_ahead(nursery: trio.Nursery) -> None:
+def queued_read_ahead(
+    nursery: trio.Nursery, size: int, readahead_max: int
+) -> tuple[MemoryBackend, bytes, FileSystem]:
+    """``f.bin`` of ``size`` random bytes behind 0.05 s of latency, on a file system with
+    three connections: read-ahead gets one, so its parts queue up behind each other."""
     backend = MemoryBackend(latency_s=0.05)
-    data = os.urandom(64 * MiB)
+    data = os.urandom(size)
     backend.put("p/f.bin", data)
-    # Three connections: read-ahead gets one, so its parts queue up behind each other.
-    fs = FileSystem(backend, config(readahead_max_bytes=64 * MiB, s3=S3Options(max_connections=3)))
+    fs = FileSystem(
+        backend, config(readahead_max_bytes=readahead_max, s3=S3Options(max_connections=3))
+    )
     fs.start(nursery)
+    return backend, data, fs
+
+
+async def test_released_handle_cancels_its_read_ahead(nursery: trio.Nursery) -> None:
+    backend, _, fs = queued_read_ahead(nursery, 64 * MiB, 64 * MiB)
     fh = await open_file(fs, "f.bin")
     for off in range(0, 8 * MiB, MiB):  # grow the window to cover the whole file
         await fs.read(fh, off, MiB)
@@ -476,12 +486,7 @@ async def test_a_stream_outlives_the_handle_that_grew_it(
     """Two handles of one version share a stream; the one whose reads queued its read-ahead
     closes, which cancels that read-ahead. The other reader's next read asks for it again:
     it goes on in whole parts instead of fetching block after block on its own."""
-    backend = MemoryBackend(latency_s=0.05)
-    data = os.urandom(48 * MiB)
-    backend.put("p/f.bin", data)
-    # Three connections: read-ahead gets one, so its parts queue up behind each other.
-    fs = FileSystem(backend, config(readahead_max_bytes=32 * MiB, s3=S3Options(max_connections=3)))
-    fs.start(nursery)
+    backend, data, fs = queued_read_ahead(nursery, 48 * MiB, 32 * MiB)
     first = await open_file(fs, "f.bin")
     second = await open_file(fs, "f.bin")
     out = bytearray(await read_all(fs, first, 8 * MiB))
