@@ -116,6 +116,8 @@ class Node:
     big: bool = False  # a directory whose listing takes more than one page
     lookups: int = 0  # the kernel's references (entries answered, minus forgotten)
     opens: int = 0  # open handles
+    # The read-ahead state its open handles share (None while none is open).
+    readahead: Readahead | None = None
     # One byte per block: 1 once the block was served whole to the kernel (its page cache
     # holds it now, so read-ahead need not fetch it again).
     served: bytearray = field(default_factory=bytearray)
@@ -148,14 +150,6 @@ class Handle:
     size: int
     readahead: Readahead
     served: bytearray  # the node's, for this version (see Node.served)
-
-
-@dataclass
-class _SharedReadahead:
-    """The read-ahead state of one open version, shared by its open handles."""
-
-    readahead: Readahead
-    handles: int = 1
 
 
 @dataclass
@@ -242,8 +236,6 @@ class FileSystem:
         self._head_flight: SingleFlight[str, tuple[ObjectInfo, float]] = SingleFlight()
         self._range_flight: SingleFlight[tuple[str, str, int, int], bytes] = SingleFlight()
         self._handles: dict[int, Handle] = {}
-        # inode (a version) -> the read-ahead state its open handles share
-        self._readaheads: dict[int, _SharedReadahead] = {}
         # Answered reads' pooled buffers, still charged to the reply share (see read).
         self._reply_buffers: list[Buffer] = []
         self.reads_spanned = 0  # reads across blocks answered with one view (no copy)
@@ -770,22 +762,19 @@ class FileSystem:
         keep_cache = True
         node.opens += 1
         fh = self._new_fh()
-        shared = self._readaheads.get(node.inode)
-        if shared is None:
-            readahead = Readahead(
+        first_open = node.readahead is None
+        if node.readahead is None:
+            node.readahead = Readahead(
                 node.size,
                 initial_window=self.config.readahead_initial_bytes,
                 max_window=self.config.readahead_max(),
             )
-            self._readaheads[node.inode] = _SharedReadahead(readahead)
-        else:
-            readahead = shared.readahead
-            shared.handles += 1
+        readahead = node.readahead
         handle = Handle(fh, node, node.key, node.etag, node.size, readahead, node.served)
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
         self._share_windows()
-        if shared is None and node.key.endswith(self.config.prefetch_on_open_suffixes):
+        if first_open and node.key.endswith(self.config.prefetch_on_open_suffixes):
             whole = readahead.start_whole_file()
             if whole is not None:
                 # Not tied to this handle: loaders often open a shard once for its header and
@@ -804,15 +793,10 @@ class FileSystem:
         window per version (a share per version) doubled the GETs in flight of four
         tensor-parallel ranks but filled the budget with blocks the slower ranks had not read,
         and fetched 1.015-1.047x the model in 5 of 6 runs."""
-        big = {
-            id(h.readahead): h.readahead
-            for h in self._handles.values()
-            if h.size > self.config.part_size_bytes
-        }
-        handles = sum(1 for h in self._handles.values() if h.size > self.config.part_size_bytes)
-        share = self.config.readahead_max() // max(1, handles)
+        big = [h for h in self._handles.values() if h.size > self.config.part_size_bytes]
+        share = self.config.readahead_max() // max(1, len(big))
         window = max(self.config.part_size_bytes, share)
-        for readahead in big.values():
+        for readahead in {id(h.readahead): h.readahead for h in big}.values():
             readahead.max_window = window
             for stream in readahead.streams:
                 stream.window = min(stream.window, window)
@@ -825,16 +809,13 @@ class FileSystem:
         if handle is None:
             return
         handle.node.opens -= 1
-        shared = self._readaheads.get(handle.node.inode)
-        if shared is not None and shared.readahead is handle.readahead:
-            shared.handles -= 1
-            if shared.handles <= 0:
-                del self._readaheads[handle.node.inode]
-            else:
-                # Its queued read-ahead is cancelled below, but the streams it served go on
-                # for the version's other handles: their next reads ask for it again.
-                for stream in handle.readahead.streams:
-                    stream.scheduled_until = min(stream.scheduled_until, stream.next_offset)
+        if handle.node.opens == 0:
+            handle.node.readahead = None
+        else:
+            # Its queued read-ahead is cancelled below, but the streams it served go on for
+            # the version's other handles: their next reads ask for it again.
+            for stream in handle.readahead.streams:
+                stream.scheduled_until = min(stream.scheduled_until, stream.next_offset)
         self._maybe_free(handle.node)
         self._share_windows()
         self.fetcher.cancel(handle)

@@ -66,6 +66,7 @@ from typing import Any
 
 from objfs import fdpass
 from objfs.errors import DaemonNotAnsweringError, UsageError
+from objfs.metrics import pid_gone
 from objfs.mount import FD_USED_ENV, setup_logging
 
 log = logging.getLogger("objfs.sidecar")
@@ -728,15 +729,7 @@ def read_fd_sidecar_status(path: str, status_file: str, max_age_s: float) -> dic
     if not isinstance(data, dict) or data.get("kind") != STATUS_KIND:
         raise DaemonNotAnsweringError(f"{status_file} is not an objfs sidecar's status file")
     pid = int(data.get("pid", 0))
-    alive = pid > 0
-    if alive:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            alive = False
-        except PermissionError:
-            pass
-    if not alive:
+    if pid <= 0 or pid_gone(pid):
         raise DaemonNotAnsweringError(f"the objfs sidecar serving {path} (pid {pid}) is gone")
     age = time.time() - float(data.get("updated_at", 0))
     if age > max_age_s:
