@@ -89,9 +89,10 @@ class Buffer:
 class BufferPool:
     """Page-aligned buffers of ``buffer_size`` bytes, slots of one arena, reused.
 
-    The arena is one private anonymous mapping of ``max_mapped`` buffers. A fresh page costs
-    a fault and zeroing on first touch (a fifth of the daemon's CPU in an early profile of a
-    cold load); a slot's pages stay mapped once touched, so a reused slot costs nothing.
+    The arena is one private anonymous mapping of ``max_mapped`` buffers, advised to use
+    transparent huge pages. A fresh page costs a fault and zeroing on first touch (a fifth of
+    the daemon's CPU in an early profile of a cold load); a slot's pages stay mapped once
+    touched, so a reused slot costs nothing.
 
     Slots of one run are adjacent when the arena allows (``acquire_run``: next fit from
     where the last run ended), and sequential runs follow each other, so consecutive blocks
@@ -117,6 +118,14 @@ class BufferPool:
         self._arena = mmap.mmap(
             -1, buffer_size * max_mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         )
+        # Transparent huge pages where the kernel offers them on request (the usual
+        # "madvise" setting): 2 MiB pages instead of 4 KiB ones. Every byte of a block is
+        # pinned page by page twice, by the receive or the O_DIRECT disk read and by the FUSE
+        # reply's copy; with huge pages a cold load took 1,300 page faults instead of 66,000
+        # and less daemon CPU (see README, "Caching and tuning"). Without THP: no effect.
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self._arena.madvise(mmap.MADV_HUGEPAGE)
         self._all = memoryview(self._arena)
         self._free = bytearray(b"\x01") * max_mapped  # 1: the slot is free
         self._cursor = 0  # where the next run's search starts
