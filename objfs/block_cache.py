@@ -121,8 +121,9 @@ class BufferPool:
         # Transparent huge pages where the kernel offers them on request (the usual
         # "madvise" setting): 2 MiB pages instead of 4 KiB ones. Every byte of a block is
         # pinned page by page twice, by the receive or the O_DIRECT disk read and by the FUSE
-        # reply's copy; with huge pages a cold load took 1,300 page faults instead of 66,000
-        # and less daemon CPU (see README, "Caching and tuning"). Without THP: no effect.
+        # reply's copy; with huge pages a load took about 1,000 page faults instead of 66,000,
+        # remounts and most cold loads were faster, tensor-parallel loads slower (the main
+        # thread's replies cost more; see README, "Benchmarks"). Without THP: no effect.
         if hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):
                 self._arena.madvise(mmap.MADV_HUGEPAGE)

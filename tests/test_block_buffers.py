@@ -445,7 +445,9 @@ def test_the_arena_asks_for_transparent_huge_pages() -> None:
     pool = BufferPool(MiB, 8)
     buf = pool.acquire_run(1)[0]
     buf.view[:1] = b"x"
-    address = ctypes.addressof(ctypes.c_char.from_buffer(buf.view))
+    first_byte = ctypes.c_char.from_buffer(buf.view)
+    address = ctypes.addressof(first_byte)
+    del first_byte  # it holds an export of the buffer
     flags = _vm_flags(address)
     assert "hg" in flags, flags  # MADV_HUGEPAGE took (the kernel decides when to use it)
     pool.release(buf)
