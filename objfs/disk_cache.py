@@ -250,6 +250,7 @@ class DiskCache:
         self._unchecked_bytes = 0  # written since the last statvfs
         self._space_checked_at = -_SPACE_CHECK_S  # monotonic
         self._space_low = False  # the last statvfs found less than min_free_bytes
+        self.skipped_low_space = 0  # blocks not written while free space was under the floor
         self.hits = 0
         self.misses = 0
         self.writes = 0
@@ -446,6 +447,8 @@ class DiskCache:
             log.debug("disk cache: %s is too big for the cache; not caching it", key)
             return 0
         if not self._room_for(nbytes):
+            with self._lock:
+                self.skipped_low_space += len(views)
             return 0
         stored = 0
         try:
@@ -491,6 +494,7 @@ class DiskCache:
                 "disk_errors": self.errors,
                 "disk_evictions": self.evictions,
                 "disk_versions": len(self._index),
+                "disk_blocks_skipped_low_space": self.skipped_low_space,
             }
 
     # -- reading ---------------------------------------------------------------------------
@@ -1002,12 +1006,30 @@ class DiskCache:
                 self._space_checked_at = now
         if due:
             try:
-                low = self._free_bytes() < self.min_free_bytes
+                free = self._free_bytes()
             except OSError:
-                low = False  # the write will tell
-            self._space_low = low
+                free = None  # the write will tell
+            low = free is not None and free < self.min_free_bytes
+            was_low = self._space_low  # evict() sets it too
             if low and self._index:
                 self.evict()
+                with contextlib.suppress(OSError):
+                    free = self._free_bytes()
+                    low = free < self.min_free_bytes
+            if low != was_low:
+                gib = 1 << 30
+                if low:
+                    log.warning(
+                        "disk cache: %.1f GiB free on the file system of %s, under the floor of "
+                        "%.1f GiB (--cache-min-free), after evicting what it could: new blocks are "
+                        "not cached until the disk has room again",
+                        (free or 0) / gib,
+                        self.root,
+                        self.min_free_bytes / gib,
+                    )
+                else:
+                    log.info("disk cache: free space is over the floor again; caching resumes")
+            self._space_low = low
         return not self._space_low
 
     def evict(self) -> None:

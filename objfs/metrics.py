@@ -413,6 +413,7 @@ class Telemetry:
                 "writes_deferred": fs.get("disk_writes_deferred", 0),
                 "blocks_not_cached": fs.get("disk_blocks_not_cached", 0),
                 "blocks_backfilled": fs.get("disk_blocks_backfilled", 0),
+                "blocks_skipped_low_space": fs.get("disk_blocks_skipped_low_space", 0),
             }
         served = int(getattr(self.ops, "bytes_served", 0))
         get_latency = stats.latency["get"]
@@ -716,6 +717,12 @@ class _Collector:
                 "Blocks the disk cache lost during a load, fetched again and written once the "
                 "mount was idle.",
                 disk["blocks_backfilled"],
+            )
+            yield counter(
+                "objfs_disk_cache_blocks_skipped_low_space",
+                "Blocks not written to the disk cache because its file system had less free "
+                "space than --cache-min-free.",
+                disk["blocks_skipped_low_space"],
             )
             yield counter(
                 "objfs_disk_cache_corrupt_blocks",

@@ -503,8 +503,9 @@ def test_writes_scan_no_directory_and_check_free_space_rarely(
 
 
 def test_a_low_disk_evicts_and_pauses_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
+    caplog.set_level(logging.INFO, logger="objfs.disk_cache")
     clock = [1000.0]
     monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
     cache = make_cache(tmp_path / "c", min_free_bytes=1)
@@ -520,15 +521,24 @@ def test_a_low_disk_evicts_and_pauses_writes(
     clock[0] += 1.0
     assert cache.write_blocks("k4", "e", 0, [block("k4", 0)]) == 1
     assert present_versions(cache, 5) == [2, 3, 4]
-    # Full, and nothing helps: all evicted, and writes pause until the disk has room again.
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # evicting helped
+    # Full, and nothing helps: all evicted, and writes pause until the disk has room again,
+    # said once (a warning naming the floor), and counted.
     monkeypatch.setattr(cache, "_free_bytes", lambda: 0)
     clock[0] += 1.0
     assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 0
     assert present_versions(cache, 6) == []
-    assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 0
+    clock[0] += 1.0
+    assert cache.write_blocks("k5", "e", 0, [block("k5", 0), block("k5", 1)]) == 0
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1, warnings
+    assert "under the floor" in warnings[0]
+    assert cache.statistics()["disk_blocks_skipped_low_space"] == 3
     monkeypatch.setattr(cache, "_free_bytes", lambda: 50 * unit)
     clock[0] += 1.0
     assert cache.write_blocks("k5", "e", 0, [block("k5", 0)]) == 1
+    assert any("caching resumes" in r.getMessage() for r in caplog.records)
+    assert cache.statistics()["disk_blocks_skipped_low_space"] == 3
     assert cache.enabled
     assert cache.statistics()["disk_errors"] == 0
 
