@@ -1005,32 +1005,35 @@ class DiskCache:
                 self._unchecked_bytes = 0
                 self._space_checked_at = now
         if due:
+            was_low = self._space_low
             try:
-                free = self._free_bytes()
+                low = self._free_bytes() < self.min_free_bytes
             except OSError:
-                free = None  # the write will tell
-            low = free is not None and free < self.min_free_bytes
-            was_low = self._space_low  # evict() sets it too
-            if low and self._index:
-                self.evict()
-                with contextlib.suppress(OSError):
-                    free = self._free_bytes()
-                    low = free < self.min_free_bytes
-            if low != was_low:
-                gib = 1 << 30
-                if low:
-                    log.warning(
-                        "disk cache: %.1f GiB free on the file system of %s, under the floor of "
-                        "%.1f GiB (--cache-min-free), after evicting what it could: new blocks are "
-                        "not cached until the disk has room again",
-                        (free or 0) / gib,
-                        self.root,
-                        self.min_free_bytes / gib,
-                    )
-                else:
-                    log.info("disk cache: free space is over the floor again; caching resumes")
+                low = False  # the write will tell
             self._space_low = low
+            if low and self._index:
+                self.evict()  # sets _space_low again from the space it left
+            if self._space_low != was_low:
+                self._log_space_change()
         return not self._space_low
+
+    def _log_space_change(self) -> None:
+        """Say once that writes pause (free space under the floor) or resume."""
+        if not self._space_low:
+            log.info("disk cache: free space is over the floor again; caching resumes")
+            return
+        try:
+            free = f"{self._free_bytes() / (1 << 30):.1f} GiB"
+        except OSError:
+            free = "too little space"
+        log.warning(
+            "disk cache: %s free on the file system of %s, under the floor of %.1f GiB "
+            "(--cache-min-free), after evicting what it could: new blocks are not cached until "
+            "the disk has room again",
+            free,
+            self.root,
+            self.min_free_bytes / (1 << 30),
+        )
 
     def evict(self) -> None:
         """Delete least recently used versions until 10% under the size cap (when over it)

@@ -762,14 +762,14 @@ class FileSystem:
         keep_cache = True
         node.opens += 1
         fh = self._new_fh()
-        first_open = node.readahead is None
-        if node.readahead is None:
-            node.readahead = Readahead(
+        readahead = node.readahead
+        first_open = readahead is None
+        if readahead is None:
+            readahead = node.readahead = Readahead(
                 node.size,
                 initial_window=self.config.readahead_initial_bytes,
                 max_window=self.config.readahead_max(),
             )
-        readahead = node.readahead
         handle = Handle(fh, node, node.key, node.etag, node.size, readahead, node.served)
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
