@@ -184,6 +184,14 @@ class InvalidArgumentError(ObjfsError):
     log_level = logging.DEBUG
 
 
+class NoDiskCacheError(ObjfsError):
+    """A warm into the caches only (``objfs warm --cache-only``) on a mount without a disk
+    cache: nothing would keep the bytes."""
+
+    errno = _errno.EOPNOTSUPP
+    log_level = logging.INFO
+
+
 #: Exit codes in the order the README lists them.
 EXIT_CODES: dict[int, str] = {
     0: "success (for `mount` without --foreground: the mount is live and serving)",

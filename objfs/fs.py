@@ -71,6 +71,7 @@ from objfs.errors import (
     BadFileHandleError,
     EndpointUnreachableError,
     IsADirectoryFsError,
+    NoDiskCacheError,
     NotADirectoryFsError,
     ObjectNotFoundError,
     ReadOnlyError,
@@ -1015,6 +1016,40 @@ class FileSystem:
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""
         await self.fetcher.flush_disk_writes()
+
+    async def warm(self, inode: int) -> int:
+        """Read the file's current version whole into the memory and disk tiers, with no
+        reply to the kernel (``objfs warm --cache-only``, through ``getxattr``); returns the
+        bytes read once they are written to the disk tier.
+
+        It reads like a sequential reader on a handle of its own (same read-ahead, same
+        budget, same ownership: its blocks are read, so they go first when memory is short),
+        one block per step, and waits before each step while the disk tier is behind
+        (``Fetcher.disk_room``), so every block it reads reaches the disk. Without a disk
+        tier nothing would keep the bytes: NoDiskCacheError (EOPNOTSUPP)."""
+        if self.disk is None or not self.disk.enabled:
+            raise NoDiskCacheError("the mount has no usable --cache-dir to warm")
+        fh, _ = await self.open(inode, os.O_RDONLY)
+        done = 0
+        try:
+            handle = self._handle(fh)
+            size = handle.size
+            while done < size:
+                await self.fetcher.disk_room()
+                got = len(await self.read(fh, done, self.block_size - done % self.block_size))
+                if not got:
+                    break
+                # Read while its run's write was deferred: queue it before it can be evicted.
+                self.fetcher.write_now(self.fetcher.key(handle, done // self.block_size))
+                done += got
+            # Before the handle closes: its blocks still waiting for the disk stay in memory.
+            await self.fetcher.disk_room(settled=True)
+            # Blocks lost anyway (evicted by another reader's demand before the writer got
+            # to them) are fetched again now rather than when the mount is next idle.
+            await self.fetcher.store_lost_now(handle.key, handle.etag)
+        finally:
+            self.release(fh)
+        return done
 
     def statistics(self) -> dict[str, int]:
         return {

@@ -438,10 +438,25 @@ class Fetcher:
                     self._note_lost(self._deferred[0])
                 self._deferred.append([(key, len(block)) for key, block in piece])
 
-    def _enqueue_write(self, piece: list[tuple[BlockKey, Block]]) -> bool:
+    def write_now(self, key: BlockKey) -> None:
+        """If block ``key`` waits in a deferred run, queue it for the disk now, past the
+        queue's bound (by one block): a reader that must leave its blocks on disk (a warm)
+        calls this for each block it has read, since read blocks are the first evicted."""
+        for entries in self._deferred:
+            for n, (deferred, _) in enumerate(entries):
+                if deferred == key:
+                    del entries[n]
+                    block = self.cache.peek(key)
+                    if block is not None:
+                        self._enqueue_write([(key, block)], force=True)
+                    if not entries:
+                        self._deferred.remove(entries)
+                    return
+
+    def _enqueue_write(self, piece: list[tuple[BlockKey, Block]], *, force: bool = False) -> bool:
         nbytes = sum(len(b) for _, b in piece)
         # Pinned blocks stay in the budget: bound them, so read-ahead keeps most of it.
-        if self._disk_write_bytes + nbytes > self._disk_queue_limit():
+        if not force and self._disk_write_bytes + nbytes > self._disk_queue_limit():
             return False
         for _, block in piece:
             block.pin()
@@ -546,26 +561,77 @@ class Fetcher:
                     self._lost[BlockKey(first.key, first.etag, first.block + n)] = length
                 self.touch()
                 continue
-            blocks = self.cache.new_blocks(lengths)
             try:
-                await self.backend.read_into(
-                    first.key, first.etag, first.block * self.block_size, [b.view for b in blocks]
-                )
-                stored = await trio.to_thread.run_sync(
-                    disk.write_blocks, first.key, first.etag, first.block, [b.view for b in blocks]
-                )
-                self.disk_backfilled += stored
+                await self._store_run(first, lengths, reservation)
             except Exception as exc:
                 # A newer version replaced it (StaleObjectError), or the store or the disk
                 # failed: no more of this version (its next read fetches what it needs).
                 log.debug("disk cache backfill of %s stopped: %s", first.key, exc)
-                version = (first.key, first.etag)
-                for key in [k for k in self._lost if (k.key, k.etag) == version]:
-                    del self._lost[key]
-            finally:
-                for block in blocks:
-                    block.discard()
-                reservation.release()
+                self._forget_lost(first.key, first.etag)
+
+    async def _store_run(
+        self, first: BlockKey, lengths: list[int], reservation: Reservation
+    ) -> None:
+        """Fetch blocks ``first``... (``lengths``) into buffers that never enter the memory
+        tier and write them to the disk tier; gives the buffers and ``reservation`` back."""
+        disk = self.disk
+        assert disk is not None
+        blocks = self.cache.new_blocks(lengths)
+        try:
+            await self.backend.read_into(
+                first.key, first.etag, first.block * self.block_size, [b.view for b in blocks]
+            )
+            stored = await trio.to_thread.run_sync(
+                disk.write_blocks, first.key, first.etag, first.block, [b.view for b in blocks]
+            )
+            self.disk_backfilled += stored
+        finally:
+            for block in blocks:
+                block.discard()
+            reservation.release()
+
+    def _forget_lost(self, key: str, etag: str) -> list[tuple[BlockKey, int]]:
+        """Drop one version's lost blocks from the backfill's list; returns them (with their
+        lengths) in block order."""
+        mine = sorted(
+            (k for k in self._lost if (k.key, k.etag) == (key, etag)), key=lambda k: k.block
+        )
+        return [(k, self._lost.pop(k)) for k in mine]
+
+    async def store_lost_now(self, key: str, etag: str) -> int:
+        """What the backfill would do for one version once the mount is idle, now: fetch
+        again the blocks of ``key``/``etag`` the disk tier lost, a run of consecutive blocks
+        (up to a part) per GET, and write them. For a warm into the caches, which must leave
+        the whole version on disk when it returns. Raises what the store raises (the blocks
+        not stored then stay lost). Returns the blocks stored."""
+        disk = self.disk
+        stored_before = self.disk_backfilled
+        lost = self._forget_lost(key, etag)
+        runs: list[list[tuple[BlockKey, int]]] = []
+        for entry in lost:
+            last = runs[-1][-1][0] if runs else None
+            if (
+                last is not None
+                and entry[0].block == last.block + 1
+                and (len(runs[-1]) < self.part_blocks)
+            ):
+                runs[-1].append(entry)
+            else:
+                runs.append([entry])
+        for n, run in enumerate(runs):
+            if disk is None or not disk.enabled:
+                break
+            try:
+                reservation = await self.cache.reserve(
+                    sum(length for _, length in run), demand=True
+                )
+                await self._store_run(run[0][0], [length for _, length in run], reservation)
+            except BaseException:
+                for pending in runs[n:]:
+                    self._note_lost(pending)
+                    self.disk_not_cached -= len(pending)  # counted when first lost
+                raise
+        return self.disk_backfilled - stored_before
 
     async def _disk_writer(self) -> None:
         disk = self.disk
@@ -602,6 +668,20 @@ class Fetcher:
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""
         while self._disk_write_bytes:
+            await self._disk_written.wait()
+
+    async def disk_room(self, *, settled: bool = False) -> None:
+        """Wait while the disk tier is behind: writes deferred, or the write queue over half
+        its bound (``settled``: any write queued). A reader that waits here before each block
+        (a warm into the caches, with no kernel waiting for the bytes), and for ``settled``
+        before it closes, never outruns the disk, so no block it reads is lost to the disk
+        tier. Cannot wait forever: while runs are deferred a write is queued (each write's end
+        queues the deferred runs once the queue is half empty, or drops those evicted)."""
+        disk = self.disk
+        limit = 0 if settled else self._disk_queue_limit() // 2
+        while (
+            disk is not None and disk.enabled and (self._deferred or self._disk_write_bytes > limit)
+        ):
             await self._disk_written.wait()
 
     def statistics(self) -> dict[str, int]:

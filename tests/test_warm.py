@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import errno
 import io
+import json
 import os
 import threading
 import time
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 
 import objfs.warm as warm_mod
-from tests.conftest import Mount, put_many, run_objfs, sha256
+from tests.conftest import Mount, mount_command, put_many, run_mount, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
 MiB = 1024 * 1024
@@ -62,6 +64,58 @@ def test_warm_single_file_and_errors(mount_s3: Any, s3: Any, bucket: str, tmp_pa
     res = run_objfs("warm", str(m.path), "--jobs", "0")
     assert res.returncode == 2
     assert "--jobs" in res.stderr
+
+
+def test_warm_cache_only_fills_the_disk_cache_and_sends_no_byte_to_the_kernel(
+    proxy: Proxy, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """``--cache-only``: the daemon reads the files itself; nothing is served to the kernel
+    (so no page cache is filled), and a remount on the same cache folder needs no GET."""
+    files = {
+        "m/a.safetensors": os.urandom(5 * MiB + 3),
+        "m/b.bin": os.urandom(2 * MiB),
+        "m/sub/c.json": b"{}",
+    }
+    put_many(s3, bucket, files)
+    cache = tmp_path / "cache"
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    cmd = mount_command(
+        f"s3://{bucket}/m",
+        mountpoint,
+        tmp_path / "objfs.log",
+        *("--endpoint-url", proxy.url, "--cache-dir", str(cache)),
+    )
+    with run_mount(cmd, mountpoint, tmp_path / "first.out") as first:
+        res = run_objfs("warm", "--cache-only", str(first.path))
+        assert res.returncode == 0, res.stderr
+        last = res.stderr.splitlines()[-1]
+        assert last.startswith("warmed 3 files into objfs's caches, 7.0 MiB in "), last
+        assert proxy.stats.count()["ranged_get"] > 0
+        # Another attribute has no value (and the call does not warm anything).
+        with pytest.raises(OSError, match="No data available") as info:
+            os.getxattr(first.path / "b.bin", "user.other")
+        assert info.value.errno == errno.ENODATA
+        time.sleep(1.2)  # the status file is rewritten every second
+        status = json.loads(run_objfs("status", "--json", str(first.path)).stdout)
+        assert status["served"]["bytes"] == 0, status["served"]
+    proxy.reset_stats()
+    with run_mount(cmd, mountpoint, tmp_path / "second.out") as second:
+        for key, data in files.items():
+            assert sha256((second.path / key.removeprefix("m/")).read_bytes()) == sha256(data)
+    assert proxy.stats.count()["ranged_get"] == 0, proxy.stats.requests
+
+
+def test_warm_cache_only_without_a_cache_dir_says_so(mount_s3: Any, s3: Any, bucket: str) -> None:
+    s3.put_object(Bucket=bucket, Key="m/x.bin", Body=b"x" * 1000)
+    m: Mount = mount_s3(f"s3://{bucket}/m")
+    res = run_objfs("warm", "--cache-only", str(m.path))
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.splitlines() == [
+        f"objfs: error: --cache-only: the mount of {m.path / 'x.bin'} cannot warm its caches "
+        "alone (it has no --cache-dir, or its daemon predates this objfs): drop --cache-only "
+        "to warm by reading through the mount"
+    ]
 
 
 def test_big_files_are_read_one_at_a_time_small_ones_alongside(
