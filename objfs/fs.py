@@ -1017,10 +1017,14 @@ class FileSystem:
         """Wait until every block queued for the disk cache is written."""
         await self.fetcher.flush_disk_writes()
 
+    def handle_inode(self, fh: int) -> int:
+        """The inode (one file version) that handle ``fh`` reads."""
+        return self._handle(fh).node.inode
+
     async def warm(self, inode: int) -> int:
-        """Read the file's current version whole into the memory and disk tiers, with no
-        reply to the kernel (``objfs warm --cache-only``, through ``getxattr``); returns the
-        bytes read once they are written to the disk tier.
+        """Read the file's version whole into the memory and disk tiers, with no reply to
+        the kernel (``objfs warm --cache-only``, through ``fsync``); returns the bytes read
+        once they are written to the disk tier.
 
         It reads like a sequential reader on a handle of its own (same read-ahead, same
         budget, same ownership: its blocks are read, so they go first when memory is short),

@@ -20,7 +20,6 @@ import trio
 
 from objfs.errors import ObjectNotFoundError, ObjfsError
 from objfs.fs import Attributes, FileSystem
-from objfs.warm import WARM_XATTR
 
 log = logging.getLogger(__name__)
 
@@ -183,24 +182,17 @@ class ObjfsOperations(pyfuse3.Operations):
         self.fs.release(fh)
 
     @_errno_boundary
-    async def getxattr(
-        self, inode: pyfuse3.InodeT, name: pyfuse3.XAttrNameT, ctx: pyfuse3.RequestContext
-    ) -> bytes:
-        # The one attribute: reading it warms the file into objfs's caches (the answer, the
-        # bytes read, comes once they are on disk). Every other name has no value; answering
-        # at all (not ENOSYS) costs `ls -l` one request per file (it asks for
-        # security.selinux).
-        if name != WARM_XATTR:
-            raise pyfuse3.FUSEError(errno.ENODATA)
-        return str(await self.fs.warm(inode)).encode()
-
-    @_errno_boundary
     async def flush(self, fh: pyfuse3.FileHandleT) -> None:
         return None
 
     @_errno_boundary
     async def fsync(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:
-        return None  # nothing is ever dirty
+        # Nothing is ever dirty. What can be made durable is the local copy: fsync makes the
+        # file's version whole in the disk cache (`objfs warm --cache-only`), answering once
+        # it is written; EOPNOTSUPP without a disk cache. Nothing else sends it: a read-only
+        # file is not fsynced by loaders or copy tools, and an extended attribute as the
+        # trigger would have cost `ls -l` a request per file (it asks for security.selinux).
+        await self.fs.warm(self.fs.handle_inode(fh))
 
     @_errno_boundary
     async def fsyncdir(self, fh: pyfuse3.FileHandleT, datasync: bool) -> None:

@@ -12,9 +12,9 @@ shards read side by side took 5.9 s where the same two read one after the other 
 (medians of 2 runs each, 2.2 GB from s3rver on 2 cores; ``cat`` of both: 4.1 s). Small files
 gain from reading side by side: each costs a round trip or two.
 
-``--cache-only`` (``cache_only``) fills objfs's caches and not the page cache: for each file
-the command reads the extended attribute ``WARM_XATTR``, and the daemon reads the file whole
-into its memory and disk tiers itself, answering (with the bytes read) once they are on disk.
+``--cache-only`` (``cache_only``) fills objfs's caches and not the page cache: the command
+opens each file and ``fsync``s it, and the daemon reads the file whole into its memory and disk
+tiers itself, answering once the bytes are on disk.
 No byte is copied to the kernel or to this process, so it runs at the speed of the store and
 the disk; a later load then reads from the disk cache (a remount's speed, not the page
 cache's). It needs a mount with ``--cache-dir`` (else EOPNOTSUPP, reported once).
@@ -35,9 +35,6 @@ from typing import TextIO
 from objfs.errors import UsageError, WarmIncompleteError
 from objfs.mountinfo import mount_entry
 
-# Reading this extended attribute of a file asks the daemon to warm the file into its own
-# caches (see objfs.fuse_ops.ObjfsOperations.getxattr); its value is the bytes read.
-WARM_XATTR = b"user.objfs.warm"
 # Large sequential reads: each is a few kernel requests and keeps objfs's read-ahead ahead.
 _READ_BYTES = 8 << 20
 # Redraw the progress line at most this often.
@@ -126,7 +123,13 @@ def _read_whole(path: str, progress: Progress) -> None:
 
 
 def _warm_in_daemon(path: str, progress: Progress) -> None:
-    progress.add(int(os.getxattr(path, WARM_XATTR)))
+    # fsync on objfs makes the file's version whole in the disk cache (objfs.fuse_ops.fsync).
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        progress.add(os.fstat(fd).st_size)
+    finally:
+        os.close(fd)
 
 
 def plan(files: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
@@ -173,7 +176,7 @@ def warm(
                 read_one(path, progress)
             except OSError as exc:
                 with progress.lock:
-                    if cache_only and exc.errno in (errno.EOPNOTSUPP, errno.ENODATA):
+                    if cache_only and exc.errno == errno.EOPNOTSUPP:
                         unsupported.append(path)
                     else:
                         failures.append(f"{path}: {exc.strerror}")
@@ -190,9 +193,9 @@ def warm(
         if interactive:
             out.write("\n")
         raise UsageError(
-            f"--cache-only: the mount of {unsupported[0]} cannot warm its caches alone (it "
-            "has no --cache-dir, or its daemon predates this objfs): drop --cache-only to "
-            "warm by reading through the mount"
+            f"--cache-only: the mount of {unsupported[0]} has no --cache-dir, so nothing "
+            "would keep the bytes: mount with --cache-dir, or drop --cache-only to warm the "
+            "page cache by reading through the mount"
         )
     draw(final=True)
     elapsed = time.monotonic() - progress.started
