@@ -98,6 +98,21 @@ class Mount:
         return self.log_path.read_text(errors="replace")
 
 
+def cached_mount_command(source: str, tmp_path: Path, url: str) -> tuple[list[str], Path]:
+    """A foreground mount of ``source`` through ``url`` with ``--cache-dir`` under
+    ``tmp_path`` (mountpoint ``tmp_path/mnt``, created): (the command, the mountpoint), to
+    run with ``run_mount`` once per mount on the same cache."""
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    cmd = mount_command(
+        source,
+        mountpoint,
+        tmp_path / "objfs.log",
+        *("--endpoint-url", url, "--cache-dir", str(tmp_path / "cache")),
+    )
+    return cmd, mountpoint
+
+
 def wait_mounted(path: Path, proc: subprocess.Popen[bytes], log_path: Path) -> None:
     deadline = time.monotonic() + MOUNT_TIMEOUT_S
     while mount_entry(str(path)) is None:

@@ -16,7 +16,7 @@ import pytest
 
 from objfs.backends.memory import SyntheticData
 from objfs.mount import _mount_devnum
-from tests.conftest import Mount, mount_command, put_many, run_mount, sha256
+from tests.conftest import Mount, cached_mount_command, put_many, run_mount, sha256
 from tests.helpers.deploy import wait_for
 from tests.helpers.proxy import Proxy
 from tests.helpers.rss import PeakRss
@@ -50,14 +50,7 @@ def test_remount_serves_the_model_from_the_disk_cache_without_a_get(
     proxy: Proxy, bucket: str, model_bucket: dict[str, bytes], tmp_path: Path
 ) -> None:
     cache = tmp_path / "cache"
-    mountpoint = tmp_path / "mnt"
-    mountpoint.mkdir()
-    cmd = mount_command(
-        f"s3://{bucket}/m",
-        mountpoint,
-        tmp_path / "objfs.log",
-        *("--endpoint-url", proxy.url, "--cache-dir", str(cache)),
-    )
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, proxy.url)
     # run_mount unmounts on exit and checks the daemon exits 0 (a clean exit flushes the
     # blocks still queued for the disk).
     with run_mount(cmd, mountpoint, tmp_path / "first.out") as first:

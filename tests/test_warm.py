@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import objfs.warm as warm_mod
-from tests.conftest import Mount, mount_command, put_many, run_mount, run_objfs, sha256
+from tests.conftest import Mount, cached_mount_command, put_many, run_mount, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
 MiB = 1024 * 1024
@@ -76,15 +76,7 @@ def test_warm_cache_only_fills_the_disk_cache_and_sends_no_byte_to_the_kernel(
         "m/sub/c.json": b"{}",
     }
     put_many(s3, bucket, files)
-    cache = tmp_path / "cache"
-    mountpoint = tmp_path / "mnt"
-    mountpoint.mkdir()
-    cmd = mount_command(
-        f"s3://{bucket}/m",
-        mountpoint,
-        tmp_path / "objfs.log",
-        *("--endpoint-url", proxy.url, "--cache-dir", str(cache)),
-    )
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, proxy.url)
     with run_mount(cmd, mountpoint, tmp_path / "first.out") as first:
         res = run_objfs("warm", "--cache-only", str(first.path))
         assert res.returncode == 0, res.stderr

@@ -1496,27 +1496,18 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                 "",
             )
         )
-        add(
-            _row(
-                "`objfs warm` of the shards",
-                "",
-                "",
-                "",
-                _cell(r, "s3", WARM_CMD, "warm_cmd"),
-                _ratio(r.median("s3", WARM_CMD, "warm_cmd"), ceil),
-            )
-        )
-        if r.values("s3", WARM_CACHE_ONLY, "warm_cmd"):
-            add(
-                _row(
-                    "`objfs warm --cache-only` of the shards",
-                    "",
-                    "",
-                    "",
-                    _cell(r, "s3", WARM_CACHE_ONLY, "warm_cmd"),
-                    _ratio(r.median("s3", WARM_CACHE_ONLY, "warm_cmd"), ceil),
+        for method in (WARM_CMD, WARM_CACHE_ONLY):
+            if method == WARM_CMD or r.values("s3", method, "warm_cmd"):
+                add(
+                    _row(
+                        f"`{method}` of the shards",
+                        "",
+                        "",
+                        "",
+                        _cell(r, "s3", method, "warm_cmd"),
+                        _ratio(r.median("s3", method, "warm_cmd"), ceil),
+                    )
                 )
-            )
     if r.cells.get("tp"):
         add("")
         add(f"| tensor parallel: {TP_RANKS} ranks at once, cold | wall s | fetched / model bytes |")
