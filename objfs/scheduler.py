@@ -25,10 +25,11 @@
   budget). A run that finds the queue full is deferred, not waited for: its keys are noted,
   and once the queue has drained to half the bound the blocks of deferred runs that are still
   in memory are queued; those evicted meanwhile are not cached on disk (counted) but
-  remembered, and the *backfill* fetches them again and writes them once the mount has been
-  idle for ``BACKFILL_IDLE_S`` (no read, no read-ahead, nothing waiting for the disk), with
-  memory only if it is free: after a cold load and a second of idleness the disk tier holds
-  every block it was offered.
+  remembered until a later fetch reads or writes them on disk, and the *backfill* fetches
+  the rest again and writes them once the mount has been idle for ``BACKFILL_IDLE_S`` (no
+  read, no read-ahead, nothing waiting for the disk), with memory only if it is free: after a
+  cold load and a second of idleness the disk tier holds every block it was offered. A warm
+  (``store_lost_now``) does the same for one version at once.
 
 Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
 buffers the trio thread owns and never touch the cache.
@@ -390,8 +391,9 @@ class Fetcher:
                 )
                 for index in found:
                     block = blocks.pop(index)
-                    block.saved = True
-                    self.cache.put(self.key(handle, index), block, reservation)
+                    key = self.key(handle, index)
+                    self._on_disk(key, block)
+                    self.cache.put(key, block, reservation)
                 missing = [i for i in missing if i not in found]
             for run in _runs(missing):
                 start = run[0] * self.block_size
@@ -514,12 +516,24 @@ class Fetcher:
             return 0.0
         return trio.current_time() - self.last_activity
 
-    def _next_lost_run(self) -> tuple[BlockKey, list[int]] | None:
-        """The oldest lost block and the lost blocks that follow it (one version, up to a
-        part): the first key and their lengths. Blocks back in memory are skipped: their
-        fetch read them from the disk tier, or queued them for it."""
-        while self._lost:
-            first, length = self._lost.popitem(last=False)
+    def _next_lost_run(
+        self, version: tuple[str, str] | None = None
+    ) -> tuple[BlockKey, list[int]] | None:
+        """The oldest lost block (``version``: that version's first lost block) and the lost
+        blocks that follow it (one version, up to a part), taken off the list: the first key
+        and their lengths. Blocks back in memory are skipped: their fetch read them from the
+        disk tier, or queued them for it."""
+        while True:
+            if version is None:
+                if not self._lost:
+                    return None
+                first, length = self._lost.popitem(last=False)
+            else:
+                mine = [k for k in self._lost if (k.key, k.etag) == version]
+                if not mine:
+                    return None
+                first = min(mine, key=lambda k: k.block)
+                length = self._lost.pop(first)
             if self.cache.is_cached_or_pending(first):
                 continue  # fetched again meanwhile: from the disk, or queued for it then
             lengths = [length]
@@ -529,7 +543,17 @@ class Fetcher:
                     break
                 lengths.append(self._lost.pop(nxt))
             return first, lengths
-        return None
+
+    def _on_disk(self, key: BlockKey, block: Block) -> None:
+        """Block ``key`` is known to be in the disk tier (read from it, or written whole):
+        marked saved, and no longer lost (neither the backfill nor a warm fetches it again)."""
+        block.saved = True
+        self._lost.pop(key, None)
+
+    def _put_back_lost(self, first: BlockKey, lengths: list[int]) -> None:
+        """Return a run taken by ``_next_lost_run`` to the list (not stored after all)."""
+        for n, length in enumerate(lengths):
+            self._lost[BlockKey(first.key, first.etag, first.block + n)] = length
 
     async def _backfill(self) -> None:
         """Fetch again, when the mount is idle, the blocks the disk tier lost during a burst
@@ -557,8 +581,7 @@ class Fetcher:
             first, lengths = run
             reservation = self.cache.try_reserve(sum(lengths), demand=False)
             if reservation is None:  # memory is busy: this is not idle after all
-                for n, length in enumerate(lengths):
-                    self._lost[BlockKey(first.key, first.etag, first.block + n)] = length
+                self._put_back_lost(first, lengths)
                 self.touch()
                 continue
             try:
@@ -590,46 +613,28 @@ class Fetcher:
                 block.discard()
             reservation.release()
 
-    def _forget_lost(self, key: str, etag: str) -> list[tuple[BlockKey, int]]:
-        """Drop one version's lost blocks from the backfill's list; returns them (with their
-        lengths) in block order."""
-        mine = sorted(
-            (k for k in self._lost if (k.key, k.etag) == (key, etag)), key=lambda k: k.block
-        )
-        return [(k, self._lost.pop(k)) for k in mine]
+    def _forget_lost(self, key: str, etag: str) -> None:
+        """Drop one version's lost blocks from the backfill's list."""
+        for lost in [k for k in self._lost if (k.key, k.etag) == (key, etag)]:
+            del self._lost[lost]
 
     async def store_lost_now(self, key: str, etag: str) -> int:
         """What the backfill would do for one version once the mount is idle, now: fetch
         again the blocks of ``key``/``etag`` the disk tier lost, a run of consecutive blocks
         (up to a part) per GET, and write them. For a warm into the caches, which must leave
         the whole version on disk when it returns. Raises what the store raises (the blocks
-        not stored then stay lost). Returns the blocks stored."""
-        disk = self.disk
+        not stored then stay on the backfill's list). Returns the blocks stored."""
         stored_before = self.disk_backfilled
-        lost = self._forget_lost(key, etag)
-        runs: list[list[tuple[BlockKey, int]]] = []
-        for entry in lost:
-            last = runs[-1][-1][0] if runs else None
-            if (
-                last is not None
-                and entry[0].block == last.block + 1
-                and (len(runs[-1]) < self.part_blocks)
-            ):
-                runs[-1].append(entry)
-            else:
-                runs.append([entry])
-        for n, run in enumerate(runs):
-            if disk is None or not disk.enabled:
+        while self.disk is not None and self.disk.enabled:
+            run = self._next_lost_run((key, etag))
+            if run is None:
                 break
+            first, lengths = run
             try:
-                reservation = await self.cache.reserve(
-                    sum(length for _, length in run), demand=True
-                )
-                await self._store_run(run[0][0], [length for _, length in run], reservation)
+                reservation = await self.cache.reserve(sum(lengths), demand=True)
+                await self._store_run(first, lengths, reservation)  # releases it
             except BaseException:
-                for pending in runs[n:]:
-                    self._note_lost(pending)
-                    self.disk_not_cached -= len(pending)  # counted when first lost
+                self._put_back_lost(first, lengths)
                 raise
         return self.disk_backfilled - stored_before
 
@@ -653,8 +658,8 @@ class Fetcher:
                         [b.view for _, b in run],
                     )
                     if stored == len(run):  # (a partial write does not say which)
-                        for _, block in run:
-                            block.saved = True
+                        for key, block in run:
+                            self._on_disk(key, block)
             except Exception:
                 log.exception("disk cache write failed")
             finally:
