@@ -131,6 +131,9 @@ SIDECAR_WAIT_LIMIT_S = 600.0
 WAIT_LIMIT_ENV = "OBJFS_CSI_SIDECAR_WAIT_S"
 #: How often blocking socket calls wake up to see whether the target is being unpublished.
 _POLL_S = 0.5
+#: How often the main thread wakes up to run a signal handler the kernel's delivery to
+#: another thread left pending (see run_csi).
+_SIGNAL_POLL_S = 0.5
 #: After the sidecar's ``ok``, how long the read-ahead is watched: the kernel lowers it when it
 #: reads the answer to its INIT request, which may come just after the ``ok``.
 _RETUNE_S = 5.0
@@ -881,7 +884,10 @@ def run_csi(*, endpoint: str | None, node_id: str | None, kubelet_dir: str, log_
             path,
             node_id,
         )
-        while not stop.wait(3600):
+        # Short waits: Python runs a signal's handler in the main thread, but the kernel may
+        # deliver SIGTERM to one of gRPC's threads, and then nothing interrupts a long wait
+        # here (a test once waited 30 s for a stop that never came: no "received" line).
+        while not stop.wait(_SIGNAL_POLL_S):
             pass
         server.stop(grace=5).wait()
     finally:
