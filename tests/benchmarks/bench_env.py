@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import mmap
 import os
 import platform
 import shutil
@@ -282,6 +283,52 @@ class PageCache:
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
                 finally:
                     os.close(fd)
+
+
+# How long freed memory stays with the guest on a VM with free page reporting (virtio-balloon:
+# the guest reports free 2 MiB blocks to the host about 2 s after they were freed, and the
+# host discards them); 4 s is past that.
+HOST_RECLAIM_WAIT_S = 4.0
+PAGE_SIZE = mmap.PAGESIZE
+
+
+def touch_and_free(nbytes: int) -> None:
+    """Write one byte per page of ``nbytes`` of new anonymous memory, then free it: the kernel
+    hands those pages out next (the page cache's new pages among them) while they are still
+    backed by the host."""
+    if nbytes <= 0:
+        return
+    m = mmap.mmap(-1, nbytes)
+    try:
+        m[::PAGE_SIZE] = b"\1" * len(range(0, nbytes, PAGE_SIZE))
+    finally:
+        m.close()
+
+
+def settle_page_cache(cache: PageCache, backed_bytes: int) -> None:
+    """Drop the page cache and wait until a VM's host has taken the freed memory back (the
+    state of a machine that has been up a while); then, if ``backed_bytes``, write and free
+    that much memory so the next load's first new pages do not fault in the host."""
+    cache.drop()
+    time.sleep(HOST_RECLAIM_WAIT_S)
+    touch_and_free(backed_bytes)
+
+
+def first_touch_s_per_gb(nbytes: int = 1 << 30) -> tuple[float, float]:
+    """CPU seconds per GB to write one byte per page of new anonymous memory: (after the
+    host took the machine's free memory back, right after the same amount was written and
+    freed). On bare metal both are a few hundredths; on a VM whose freed memory goes back
+    to the host, the first is the cost of a host page fault per page, which any cold load
+    pays for the page cache it fills (in a FUSE mount, in the daemon's reply copy)."""
+    out = []
+    for backed in (False, True):
+        time.sleep(HOST_RECLAIM_WAIT_S)
+        if backed:
+            touch_and_free(nbytes)
+        start = time.process_time()
+        touch_and_free(nbytes)
+        out.append((time.process_time() - start) / (nbytes / 1e9))
+    return out[0], out[1]
 
 
 # -- servers ---------------------------------------------------------------------------------------

@@ -915,6 +915,61 @@ def _tp_jobs(b: Bench) -> dict[str, Callable[[], dict[str, float]]]:
     }
 
 
+# -- The page cache's new memory: taken back by the host, or still backed -------------------------
+
+MEMORY_STATES = {
+    "taken back": "page cache dropped, 4 s idle: the host has the freed memory back",
+    "backed": "then 2x the model's bytes written and freed just before: still backed",
+}
+
+
+def memory_pass(b: Bench, url: str, only: list[str]) -> None:
+    """A cold ``cat`` of the shards through the binding ceiling and through an objfs remount
+    (disk cache filled beforehand, no store involved), in the two states of the memory the
+    page cache's new pages come from (``MEMORY_STATES``). On a VM with free page reporting
+    (virtio-balloon), memory the guest freed goes back to the host about 2 s later, and the
+    first write to it faults in the host; in a FUSE mount that first write is the daemon's
+    reply copy. The pass measures that cost in this run, for a file system that does nothing
+    else (the binding ceiling) and for objfs."""
+    mnt, cache = b.fresh("objfs-memory")
+    bmnt, _ = b.fresh("binding-memory")
+    python_path = [str(env.REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
+    child_env: dict[str, str | None] = {"PYTHONPATH": os.pathsep.join(python_path)}
+    try:
+        with _objfs_mount(b, url, env.MODEL_BUCKET, mnt, cache):
+            shards = [str(mnt / s) for s in env.SHARDS]
+            subprocess.run(
+                [str(env.VENV_BIN / "objfs"), "warm", "--cache-only", *shards],
+                capture_output=True,
+                timeout=600,
+                check=True,
+            )
+        gb = b.model_bytes / 1e9
+
+        def cat(m: env.MountProc, root: Path, state: str) -> dict[str, float]:
+            env.settle_page_cache(b.page_cache, 2 * b.model_bytes if state == "backed" else 0)
+            cpu = m.cpu_s()
+            elapsed = t_cat([root / s for s in env.SHARDS])
+            return {"cold_cat": elapsed, "daemon_cpu_per_gb_cat": (m.cpu_s() - cpu) / gb}
+
+        def objfs_job(state: str) -> Callable[[], dict[str, float]]:
+            def run() -> dict[str, float]:
+                with _objfs_mount(b, url, env.MODEL_BUCKET, mnt, cache) as m:
+                    return cat(m, mnt, state)
+
+            return run
+
+        cmd = env.binding_ceiling_cmd(b.model_dir, bmnt)
+        with env.mounted("binding ceiling", cmd, bmnt, b.log("binding-memory"), child_env) as bm:
+            jobs: dict[str, Callable[[], dict[str, float]]] = {}
+            for state in MEMORY_STATES:
+                jobs[f"{BINDING} | {state}"] = lambda state=state: cat(bm, bmnt, state)
+                jobs[f"objfs remount | {state}"] = objfs_job(state)
+            run_rounds(b, "memory", {k: v for k, v in jobs.items() if _wanted(k, only)})
+    finally:
+        _rmtree(cache)
+
+
 # -- Azure: objfs over Azurite against raw ranged GETs and rclone's azureblob mount ---------------
 
 
@@ -1531,6 +1586,22 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                     _cell(r, "s3", method, f"{prefix}warm_load"),
                 )
             )
+    if r.cells.get("memory"):
+        add("")
+        add(
+            "| cold `cat` of the shards: the page cache's new memory | binding ceiling s "
+            "| daemon CPU s/GB | objfs remount s | daemon CPU s/GB |"
+        )
+        add("|---|---:|---:|---:|---:|")
+        for state, text in MEMORY_STATES.items():
+            cells = []
+            for who in (BINDING, "objfs remount"):
+                name = f"{who} | {state}"
+                cells += [
+                    _cell(r, "memory", name, "cold_cat"),
+                    _cell(r, "memory", name, "daemon_cpu_per_gb_cat"),
+                ]
+            add(_row(f"{state}: {text}", *cells))
     if r.cells.get("azure"):
         add("")
         aceil, apeer = s["azure"]["ceiling"], s["azure"]["best_peer"]
@@ -1589,7 +1660,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="270 MB model, 1 run: a smoke test")
     p.add_argument("--runs", type=int, help="runs per measure (default 3; --quick 1)")
     p.add_argument("--only", default="", help="comma list: run only methods whose name has one")
-    p.add_argument("--skip", default="", help="comma list of passes to skip: s3,tp,shaped,azure")
+    p.add_argument(
+        "--skip", default="", help="comma list of passes to skip: s3,tp,shaped,memory,azure"
+    )
     p.add_argument(
         "--random-reads", type=int, help="4 KiB reads per file (default 200; --quick 50)"
     )
@@ -1752,6 +1825,12 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 proxy.stop()
                 b.proxy = None
+        if "memory" not in skip:
+            print(
+                "==> the page cache's new memory: taken back by the host, or still backed",
+                flush=True,
+            )
+            memory_pass(b, s3.url, only)
         if "azure" not in skip:
             print("==> pass 3: Azure (Azurite)", flush=True)
             try:

@@ -28,7 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from tests.benchmarks import bench_env as env
-from tests.benchmarks.bench_models import t_load, tp_load
+from tests.benchmarks.bench_models import t_cat, t_load, tp_load
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -46,6 +46,10 @@ def thread_cpu(pid: int) -> Counter[str]:
         who = "main" if task.name == str(pid) else "workers"
         out[f"{who} user"] += int(fields[11]) / CLK
         out[f"{who} sys"] += int(fields[12]) / CLK
+        with contextlib.suppress(OSError):
+            for line in (task / "status").read_text().splitlines():
+                if line.startswith(("voluntary_ctxt_switches", "nonvolun")):
+                    out[f"{who} ctxsw"] += int(line.split()[1])
     return out
 
 
@@ -133,6 +137,17 @@ def main() -> None:
         "--tp", action="store_true", help="load with the tensor-parallel pass's 4 ranks instead"
     )
     p.add_argument(
+        "--first-touch",
+        choices=("any", "idle", "backed"),
+        default="any",
+        help="the page cache's new pages before a cold or remount load: 'idle' drops the page "
+        "cache and waits 4 s, so the hypervisor has taken back the freed memory (on a VM with "
+        "free page reporting, first writes to it then fault in the host); 'backed' then also "
+        "writes and frees 2x the model's bytes of memory just before the load, so its first "
+        "pages are still backed; 'any' (default) does neither",
+    )
+    p.add_argument("--cat", action="store_true", help="cat the shards instead of loading them")
+    p.add_argument(
         "--timeline",
         action="store_true",
         help="print s3rver's and the daemon's CPU and the bytes sent per half second of loads",
@@ -214,8 +229,23 @@ def main() -> None:
                         who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
                         sent0 = server.bytes_sent()
                         timeline = Timeline(server, m.pid)
+                        if measure == phase and args.first_touch != "any":
+                            env.settle_page_cache(
+                                cache, 2 * nbytes if args.first_touch == "backed" else 0
+                            )
+                            before = thread_cpu(m.pid)
+                            who0 = (
+                                process_cpu(server.pid),
+                                process_cpu(os.getpid()),
+                                machine_cpu(),
+                            )
                         with timeline if args.timeline else contextlib.nullcontext():
-                            elapsed = tp_load([str(f) for f in files]) if args.tp else t_load(files)
+                            if args.tp:
+                                elapsed = tp_load([str(f) for f in files])
+                            elif args.cat:
+                                elapsed = t_cat(files)
+                            else:
+                                elapsed = t_load(files)
                         if args.timeline and measure != "warm":
                             print(timeline.table(), flush=True)
                         after = thread_cpu(m.pid)
@@ -238,9 +268,12 @@ def main() -> None:
                         reads_before = served["reads"]
                         fetched = status["store"]["bytes_fetched"] - fetched_before
                         fetched_before = status["store"]["bytes_fetched"]
-                        total = sum(used.values())
+                        total = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
                         gb = nbytes / 1e9
-                        top = ", ".join(f"{k} {v / gb:.2f}" for k, v in sorted(used.items()))
+                        top = ", ".join(
+                            f"{k} {v / gb:.0f}" if k.endswith("ctxsw") else f"{k} {v / gb:.2f}"
+                            for k, v in sorted(used.items())
+                        )
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
