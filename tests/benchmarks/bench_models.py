@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import http.client
 import json
@@ -963,7 +964,7 @@ def memory_pass(b: Bench, url: str, only: list[str]) -> None:
         with env.mounted("binding ceiling", cmd, bmnt, b.log("binding-memory"), child_env) as bm:
             jobs: dict[str, Callable[[], dict[str, float]]] = {}
             for state in MEMORY_STATES:
-                jobs[f"{BINDING} | {state}"] = lambda state=state: cat(bm, bmnt, state)
+                jobs[f"{BINDING} | {state}"] = functools.partial(cat, bm, bmnt, state)
                 jobs[f"objfs remount | {state}"] = objfs_job(state)
             run_rounds(b, "memory", {k: v for k, v in jobs.items() if _wanted(k, only)})
     finally:
