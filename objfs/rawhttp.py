@@ -14,6 +14,15 @@ full. Measured on s3rver, 8 threads of 16 MiB GETs: 0.16 -> 0.08 user and 0.34 -
 CPU s per GB in the receiving process. The timeout then bounds one call rather than one
 wakeup: a call that gets part of its view returns it when the timeout runs out, and the next
 call's timeout starts afresh, so a body that stops is noticed after one to two read timeouts.
+Even so, a blocking receive was woken for every segment that arrived (s3rver sends 64 KiB at a
+time: about 16 wakeups and context switches per MiB), so while a body is read the socket's
+``SO_RCVLOWAT`` is raised to 1 MiB: the kernel wakes the thread once that much is queued.
+It is never more than the body still has to deliver after the current view, plus one byte
+(the wakeup compares what is queued with the mark, not with what the call still needs, so a
+higher mark would leave the body's last view waiting for bytes that never come), and it is
+set back to 1 before http.client reads the next reply's headers. Measured with 16 threads of
+8 MiB GETs from s3rver into 1 MiB views (4 rounds): 0.67 -> 0.40 system CPU s per GB in the
+receiving process, the same wall time.
 TLS records are decrypted in user space, so HTTPS bodies keep ``http.client``'s
 ``readinto`` (one call per TLS record, at most 16 KiB).
 
@@ -37,6 +46,9 @@ import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+# The receive low-water mark while a plain-HTTP body is read (see _receive): the kernel wakes the
+# receiving thread once this much has arrived, not on every segment. 0 turns it off.
+_RCVLOWAT = 1 << 20
 # An error reply's body (an XML or JSON error document) is read up to this size.
 _ERROR_BODY_MAX = 64 * 1024
 
@@ -177,9 +189,28 @@ class ConnectionPool:
         if done < buffered:
             return done
         sock.settimeout(None)  # blocking; SO_RCVTIMEO bounds each receive
+        lowat = _RCVLOWAT
+        remaining = total - done  # bytes of the body not yet received
+        current = 1  # the socket's SO_RCVLOWAT
+
+        def receive(view: memoryview) -> int:
+            nonlocal remaining, current
+            if lowat:
+                # At most what arrives after this view, plus one: a mark above what is still
+                # to come would never be reached (see the module's docstring).
+                want = max(1, min(lowat, remaining - len(view) + 1))
+                if want != current:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    current = want
+            got = sock.recv_into(view, 0, socket.MSG_WAITALL)
+            remaining -= got
+            return got
+
         try:
-            done = _fill(views, done, total, lambda v: sock.recv_into(v, 0, socket.MSG_WAITALL))
+            done = _fill(views, done, total, receive)
         finally:
+            if current != 1:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             sock.settimeout(self.read_timeout_s)
         if done < total:
             return done

@@ -1,5 +1,6 @@
 """objfs.rawhttp against a scripted HTTP server on loopback: bodies land byte-exact in the
-caller's views, whole plain-HTTP views take one receive each, a connection is reused only
+caller's views, whole plain-HTTP views take one receive each and wake the receiver about
+once per MiB (SO_RCVLOWAT), never waiting past the body's end, a connection is reused only
 after a complete body, and short, stalled and TLS bodies behave as the module says.
 """
 
@@ -170,6 +171,60 @@ def test_bodies_fill_the_views_exactly_and_reuse_one_connection(
         # One blocking receive per view, not one per TCP wakeup (about 30 per MiB before);
         # the headers' reads (http.client's buffered reader) add a few.
         assert count_receives() - before <= len(sizes) + 3
+    assert (server.accepted, server.requests) == (1, 3)
+    pool.close()
+
+
+def _wakeups() -> int:
+    """Context switches of the calling thread so far (it sleeps in each blocking receive
+    and is woken when data arrives)."""
+    total = 0
+    for line in Path("/proc/thread-self/status").read_text().splitlines():
+        if line.startswith(("voluntary_ctxt_switches", "nonvoluntary_ctxt_switches")):
+            total += int(line.split()[1])
+    return total
+
+
+def test_a_body_wakes_the_receiver_once_per_mib_not_per_segment(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SO_RCVLOWAT while the body is read: 8 MiB sent in 16 KiB pieces with pauses (a wakeup
+    each without the mark) wake the receiving thread a few times per MiB at most."""
+    sizes = [MiB] * 8
+    woken = {}
+    for lowat in (0, rawhttp._RCVLOWAT):
+        monkeypatch.setattr(rawhttp, "_RCVLOWAT", lowat)
+        body = os.urandom(sum(sizes))
+        server.scripts = [Script(body, chunk=16 * 1024, pause_s=0.0002)]
+        pool = _pool()
+        buf, views = _views(sizes)
+        before = _wakeups()
+        reply = pool.get_into(server.url(), {}, views)
+        woken[lowat] = _wakeups() - before
+        assert (reply.received, bytes(buf)) == (len(body), body)
+        pool.close()
+    assert woken[0] > 200, woken  # about one per 16 KiB piece
+    assert woken[rawhttp._RCVLOWAT] < 40, woken
+
+
+def test_the_mark_never_waits_for_bytes_the_body_does_not_have(server: Server) -> None:
+    """Views smaller than the mark at the body's end, a body trickling in, and the next
+    reply's headers on the same connection: each arrives without waiting for the read
+    timeout (a mark above what is still to come would stall until it runs out)."""
+    sizes = [MiB, MiB // 2, 12345, 3 * MiB // 4, 100]
+    bodies = [os.urandom(sum(sizes)) for _ in range(3)]
+    server.scripts = [
+        Script(bodies[0], chunk=8 * 1024, pause_s=0.0005),
+        Script(bodies[1], chunk=MiB // 3),
+        Script(bodies[2], chunk=4096, pause_s=0.0001, with_headers=777),
+    ]
+    pool = _pool(read_timeout_s=6.0)
+    started = time.monotonic()
+    for body in bodies:
+        buf, views = _views(sizes)
+        reply = pool.get_into(server.url(), {}, views)
+        assert (reply.status, reply.received, bytes(buf)) == (206, len(body), body)
+    assert time.monotonic() - started < 6.0  # no receive ran into the read timeout
     assert (server.accepted, server.requests) == (1, 3)
     pool.close()
 
