@@ -15,6 +15,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pytest
 import trio
@@ -324,11 +325,23 @@ def test_every_backend_is_covered() -> None:
 
 
 async def test_azure_read_into_and_stored_bytes(request: pytest.FixtureRequest) -> None:
-    """Azure only: read_into fills exact blocks from one GET, and a blob stored with
-    Content-Encoding: gzip is served as stored, never decompressed."""
+    """Azure only: read_into fills exact blocks from one GET, received by rawhttp straight into
+    them, and a blob stored with Content-Encoding: gzip is served as stored, never
+    decompressed."""
     import gzip
 
     from azure.storage.blob import ContentSettings
+
+    from objfs import rawhttp
+
+    raw_gets: list[int] = []
+    original = rawhttp.ConnectionPool.get_into
+
+    def counting(self: Any, url: str, headers: dict[str, str], views: Any) -> Any:
+        raw_gets.append(sum(len(v) for v in views))
+        return original(self, url, headers, views)
+
+    request.getfixturevalue("monkeypatch").setattr(rawhttp.ConnectionPool, "get_into", counting)
 
     store = _azure_store(request)
     client = request.getfixturevalue("azure_service").get_container_client(
@@ -350,6 +363,7 @@ async def test_azure_read_into_and_stored_bytes(request: pytest.FixtureRequest) 
         blocks = [bytearray(min(1 << 20, n - i)) for i in range(0, n, 1 << 20)]
         await store.backend.read_into("b/data.bin", etag, 7, [memoryview(b) for b in blocks])
         assert b"".join(blocks) == data[7:]
+        assert raw_gets == [n]  # one GET, through rawhttp
         small = bytearray(10)
         await store.backend.read_into("b/data.bin", etag, 0, [memoryview(small)])
         assert small == data[:10]

@@ -25,11 +25,14 @@ same attempts and backoff, plus the ones only a reader sees: a body that breaks 
 early, and a reply for another range.
 
 Data path: a read is one GET of exactly the range, conditional on the ETag the handle pinned
-(``If-Match``; a replaced blob answers 412, which becomes StaleObjectError), sent on the SDK's
-own pooled session but signed here (:class:`_Signer`) instead of going through the SDK's
-pipeline, whose per-request CPU cost showed in single-stream throughput. The body is read
-from the socket straight into block-sized ``bytes`` (no join, no content decoding).
-``tests/benchmarks/azure_sdk_vs_raw.py`` measures this path against plain ranged GETs.
+(``If-Match``; a replaced blob answers 412, which becomes StaleObjectError), signed here
+(:class:`_Signer`) instead of going through the SDK's pipeline, whose per-request CPU cost
+showed in single-stream throughput, and sent by :mod:`objfs.rawhttp` as S3's are: kept-alive
+connections of its own, the body received straight into the memory tier's buffers (no bytes
+object per block, no copy, no content decoding), with the CA bundle requests would use. Behind
+a proxy from the environment the GET goes through the session's urllib3 pool (via requests'
+adapter), the body read into block-sized ``bytes``.
+``tests/benchmarks/azure_sdk_vs_raw.py`` measures the SDK against plain ranged GETs.
 
 Rotated credentials: with ``--sas-token-file`` or ``--credentials-file``, requests poll the
 :class:`CredentialWatch` (a stat at most once a second); when a file changed, the credential
@@ -90,6 +93,7 @@ from azure.storage.blob import (
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
+from objfs import rawhttp
 from objfs.backends.base import Backend, ListPage, ObjectInfo
 from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source, redact_url
 from objfs.credentials import CredentialWatch
@@ -570,6 +574,18 @@ class AzureBackend(Backend):
         log.info("Azure credentials: %s", creds.kind)
         # +2: listings and HEADs run beside a full set of ranged GETs.
         self._session = _session(self.account_url, options.max_connections + 2)
+        # Data GETs go through rawhttp (bodies received straight into the cache's buffers)
+        # unless a proxy from the environment is in the way, with the CA requests would use.
+        self._proxied = bool(
+            self._session.proxies.get("http") or self._session.proxies.get("https")
+        )
+        verify = self._session.verify
+        self._data = rawhttp.ConnectionPool(
+            connect_timeout_s=options.connect_timeout_s,
+            read_timeout_s=options.read_timeout_s,
+            ca_file=verify if isinstance(verify, str) else requests.utils.DEFAULT_CA_BUNDLE_PATH,
+            max_idle=options.max_connections,
+        )
         self._use_credentials(creds)
         self._limiter = trio.CapacityLimiter(options.max_connections)
         parsed = urllib.parse.urlsplit(self.account_url)
@@ -877,6 +893,13 @@ class AzureBackend(Backend):
             if etag:
                 headers["If-Match"] = etag
             url, headers = self._signer.sign("GET", self._origin, path, headers)
+            if not self._proxied:
+                outcome = self._get_raw(what, key, url, headers, start, views, tries)
+                if outcome is True:
+                    return
+                if isinstance(outcome, Exception):
+                    tries.failed(outcome)  # may sleep
+                continue
             try:
                 resp = self._send(url, headers, timeout)
             except (requests.RequestException, urllib3.exceptions.HTTPError) as exc:
@@ -921,6 +944,45 @@ class AzureBackend(Backend):
                 resp.release_conn() if resp.length_remaining == 0 else resp.close()
             if error is not None:
                 tries.failed(error)  # after the reply went back: it may sleep
+
+    def _get_raw(
+        self,
+        what: str,
+        key: str,
+        url: str,
+        headers: dict[str, str],
+        start: int,
+        views: Sequence[memoryview],
+        tries: Tries,
+    ) -> Exception | bool:
+        """One try of :meth:`_get` through :mod:`objfs.rawhttp`, the body received straight
+        into ``views``: True when they hold the range, the retryable failure of this try, or
+        False for a refusal of the credentials that newer ones may cure (try again at once).
+        A final error is raised."""
+        length = sum(len(v) for v in views)
+        try:
+            reply = self._data.get_into(url, headers, views)
+        except rawhttp.ConnectionFailed as exc:
+            return TransientStoreError(f"{what}: connection failed ({exc})")
+        status = reply.status
+        if status in (200, 206):
+            got_range = reply.headers.get("Content-Range", "")
+            whole = status == 200 and start == 0
+            if not (whole or got_range.startswith(f"bytes {start}-{start + length - 1}/")):
+                # Bytes of another range (a broken proxy or server): never pass them on.
+                return TransientStoreError(f"{what}: the reply is for {got_range!r}")
+            if reply.received == length:
+                return True
+            return TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
+        code = reply.headers.get("x-ms-error-code", "")
+        if status in _RETRY_STATUSES or code in _RETRY_CODES:
+            return TransientStoreError(f"{what}: store error {code or status}")
+        if status == 412 and self._deleted(key):
+            # If-Match fails for a deleted blob too: "deleted" is ENOENT, as on S3.
+            raise ObjectNotFoundError(f"{what}: not found")
+        if status in _AUTH_RETRY_STATUSES and tries.refused():
+            return False
+        raise self._map_status(code, status, what, redact_url(self.account_url))
 
     def _send(
         self, url: str, headers: dict[str, str], timeout: tuple[float, float]
@@ -971,4 +1033,5 @@ class AzureBackend(Backend):
         await self._call(what, lambda: self._get(key, etag, start, views))
 
     async def aclose(self) -> None:
+        self._data.close()
         await trio.to_thread.run_sync(self._service.close)
