@@ -165,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument(
         "--memory-limit",
         metavar="SIZE",
-        help="budget for in-flight and buffered data (default: 256M, or a quarter of the "
+        help="budget for in-flight and buffered data (default: 240M, or a quarter of the "
         "machine's or cgroup's memory if that is less, at least 64M)",
     )
     perf.add_argument(

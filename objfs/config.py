@@ -354,7 +354,11 @@ class MountConfig:
     def readahead_max(self) -> int:
         if self.readahead_max_bytes is not None:
             return self.readahead_max_bytes
-        return max(self.part_size_bytes, self.memory_limit_bytes // 2)
+        # Half the budget; and from the budget above 112 MiB (what the shares of read blocks,
+        # replies and demand fetches need at the default) up to 128 MiB: the default 240 MiB
+        # budget keeps the 16 parts in flight of the earlier 256 MiB default.
+        budget = self.memory_limit_bytes
+        return max(self.part_size_bytes, budget // 2, min(128 << 20, budget - (112 << 20)))
 
     def kernel_timeout_s(self) -> float:
         """Entry/attr timeout handed to the kernel (the metadata TTL, capped at one day)."""
@@ -380,8 +384,17 @@ def available_memory_bytes() -> int:
     return min([total, *(x for x in limits if x)])
 
 
+DEFAULT_MEMORY_LIMIT = 240 << 20
+
+
 def default_memory_limit() -> int:
-    """256 MiB, or a quarter of the available memory if that is less (at least 64 MiB).
+    """240 MiB, or a quarter of the available memory if that is less (at least 64 MiB).
+
+    240 and not 256: the daemon's peak RSS is the budget (its block arena is touched whole
+    during a load) plus about 52 MiB of interpreter and libraries, and a default under 300 MiB
+    in all was a target. The read-ahead share stays 128 MiB (:meth:`MountConfig.readahead_max`),
+    so a load keeps as many GETs in flight as with 256 MiB; what is smaller is the share of
+    blocks already read, which the kernel's page cache holds anyway.
 
     Read-ahead needs only what covers the store's latency at the link's speed (128 MiB is a
     third of a second at 400 MB/s, four times what a 2.5 GB/s link moves in a 50 ms first
@@ -389,7 +402,7 @@ def default_memory_limit() -> int:
     daemon fault in fresh memory for blocks prefetched far ahead of the reader: the same
     load took as long with 512 MiB as with 256 MiB (tests/benchmarks/profile_load.py), and
     several GiB made a fifth of the daemon's CPU page zeroing."""
-    return max(64 << 20, min(256 << 20, available_memory_bytes() // 4))
+    return max(64 << 20, min(DEFAULT_MEMORY_LIMIT, available_memory_bytes() // 4))
 
 
 def redact_url(url: str) -> str:

@@ -6,7 +6,16 @@ import math
 
 import pytest
 
-from objfs.config import Source, parse_id, parse_size, parse_source, parse_ttl, redact_url
+import objfs.config
+from objfs.config import (
+    MountConfig,
+    Source,
+    parse_id,
+    parse_size,
+    parse_source,
+    parse_ttl,
+    redact_url,
+)
 from objfs.errors import SourceFormatError, UnknownSchemeError, UsageError
 
 
@@ -77,3 +86,29 @@ def test_redact_url_drops_user_info_and_query() -> None:
     assert redact_url("https://user:secret@host:9000/path?X-Amz-Signature=abc") == (
         "https://host:9000/path"
     )
+
+
+def test_the_default_budget_keeps_sixteen_parts_of_read_ahead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The default budget is 240 MiB (peak RSS: budget + ~52 MiB, under 300 MiB), and its
+    read-ahead share is still the 128 MiB the 256 MiB default had: 16 parts of 8 MiB in flight.
+    Other budgets: half for read-ahead, but never less than what exceeds 112 MiB, up to 128."""
+    monkeypatch.setattr(objfs.config, "available_memory_bytes", lambda: 64 << 30)
+    budget = objfs.config.default_memory_limit()
+    assert budget == 240 << 20
+    config = MountConfig(
+        mountpoint="/mnt", source=parse_source("s3://bucket"), memory_limit_bytes=budget
+    )
+    assert config.readahead_max() == 128 << 20
+    assert config.readahead_max() // config.part_size_bytes == 16
+    for budget_mib, window_mib in [(256, 128), (512, 256), (200, 100), (64, 32), (1024, 512)]:
+        sized = MountConfig(
+            mountpoint="/mnt",
+            source=parse_source("s3://bucket"),
+            memory_limit_bytes=budget_mib << 20,
+        )
+        assert sized.readahead_max() == window_mib << 20, budget_mib
+    # A small machine: a quarter of its memory, read-ahead half of that.
+    monkeypatch.setattr(objfs.config, "available_memory_bytes", lambda: 512 << 20)
+    assert objfs.config.default_memory_limit() == 128 << 20
