@@ -328,7 +328,8 @@ class MountConfig:
     # First read-ahead window of a stream, doubled per sequential read (Mountpoint starts at
     # about 1 MiB too).
     readahead_initial_bytes: int = 1 << 20
-    # Largest window; None: half the memory budget (whole files once that covers them).
+    # Largest window; None: readahead_max()'s share of the memory budget, about half (whole
+    # files once that covers them).
     readahead_max_bytes: int | None = None
     # Files every loader reads whole: fetch them ahead from the moment they are opened.
     prefetch_on_open_suffixes: tuple[str, ...] = (".safetensors",)

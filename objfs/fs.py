@@ -788,12 +788,12 @@ class FileSystem:
         return fh, keep_cache
 
     def _share_windows(self) -> None:
-        """Split the read-ahead share of the budget (half) among the open handles that can
-        use it, so concurrent streams do not evict each other's unread blocks. Handles of one
-        version share one read-ahead state, whose streams each get this share: a wider
-        window per version (a share per version) doubled the GETs in flight of four
-        tensor-parallel ranks but filled the budget with blocks the slower ranks had not read,
-        and fetched 1.015-1.047x the model in 5 of 6 runs."""
+        """Split the read-ahead share of the budget (``readahead_max``, about half) among the
+        open handles that can use it, so concurrent streams do not evict each other's unread
+        blocks. Handles of one version share one read-ahead state, whose streams each get
+        this share: a wider window per version (a share per version) doubled the GETs in
+        flight of four tensor-parallel ranks but filled the budget with blocks the slower
+        ranks had not read, and fetched 1.015-1.047x the model in 5 of 6 runs."""
         big = [h for h in self._handles.values() if h.size > self.config.part_size_bytes]
         share = self.config.readahead_max() // max(1, len(big))
         window = max(self.config.part_size_bytes, share)

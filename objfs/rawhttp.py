@@ -64,6 +64,18 @@ class Reply:
     error_body: bytes  # the body of a reply that did not fill the views, else b""
     received: int  # bytes put into the views
 
+    def body_error(self, start: int, length: int) -> str | None:
+        """For a 200/206 reply to a GET of ``length`` bytes from ``start``: why its body must
+        not be used (the bytes of another range, from a broken proxy or server, or fewer bytes
+        than asked for), or None when the views hold exactly that range."""
+        got_range = self.headers.get("Content-Range", "")
+        whole = self.status == 200 and start == 0
+        if not (whole or got_range.startswith(f"bytes {start}-{start + length - 1}/")):
+            return f"the reply is for {got_range!r}"
+        if self.received != length:
+            return f"got {self.received} bytes, expected {length}"
+        return None
+
 
 def uses_proxy(url: str) -> bool:
     """True when the environment routes ``url`` through a proxy (HTTP(S)_PROXY, NO_PROXY):

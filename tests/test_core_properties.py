@@ -454,8 +454,8 @@ def fetch_bound(model: Model) -> int:
     * in a block some read touched (``read_block_bytes``): a correct cache fetches such a
       block again only after losing it (a reader's own fetch evicted it unread, a fetch failed
       or was cancelled with it, a remount emptied memory), allowed for by a factor of 4; or
-    * read-ahead nobody read: at most one window (``readahead_max()``, half the budget) rounded
-      up to a part per read request that may start or grow a stream and per safetensors open
+    * read-ahead nobody read: at most one window (``readahead_max()``, about half the budget)
+      rounded up to a part per read request that may start or grow a stream and per safetensors open
       (whole-file read-ahead), one part per other open (``slack_bytes``).
 
     It is loose (the read-ahead allowance dominates small programs): it catches fetch loops,

@@ -6,6 +6,7 @@ after a complete body, and short, stalled and TLS bodies behave as the module sa
 
 from __future__ import annotations
 
+import http.client
 import os
 import shutil
 import socket
@@ -282,3 +283,20 @@ def test_https_bodies_are_received_through_tls(tmp_path: Path) -> None:
             assert (reply.received, bytes(buf)) == (len(body), body)
         assert srv.accepted == 1
         pool.close()
+
+
+def test_a_body_is_used_only_for_the_range_asked_and_whole() -> None:
+    """Reply.body_error, the check both backends make before a 200/206 body counts: another
+    range (a broken proxy or server) or a short body is an error, never bytes passed on."""
+
+    def reply(status: int, content_range: str | None, received: int) -> rawhttp.Reply:
+        headers = http.client.HTTPMessage()
+        if content_range is not None:
+            headers["Content-Range"] = content_range
+        return rawhttp.Reply(status, headers, b"", received)
+
+    assert reply(206, "bytes 10-19/100", 10).body_error(10, 10) is None
+    assert reply(200, None, 10).body_error(0, 10) is None  # the whole object, from 0
+    assert reply(206, "bytes 0-9/100", 10).body_error(10, 10) == "the reply is for 'bytes 0-9/100'"
+    assert reply(200, None, 10).body_error(10, 10) == "the reply is for ''"
+    assert reply(206, "bytes 10-19/100", 4).body_error(10, 10) == "got 4 bytes, expected 10"

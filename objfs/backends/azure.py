@@ -894,7 +894,7 @@ class AzureBackend(Backend):
                 headers["If-Match"] = etag
             url, headers = self._signer.sign("GET", self._origin, path, headers)
             if not self._proxied:
-                outcome = self._get_raw(what, key, url, headers, start, views, tries)
+                outcome = self._get_raw(what, key, url, headers, start, length, views, tries)
                 if outcome is True:
                     return
                 if isinstance(outcome, Exception):
@@ -952,6 +952,7 @@ class AzureBackend(Backend):
         url: str,
         headers: dict[str, str],
         start: int,
+        length: int,
         views: Sequence[memoryview],
         tries: Tries,
     ) -> Exception | bool:
@@ -959,21 +960,14 @@ class AzureBackend(Backend):
         into ``views``: True when they hold the range, the retryable failure of this try, or
         False for a refusal of the credentials that newer ones may cure (try again at once).
         A final error is raised."""
-        length = sum(len(v) for v in views)
         try:
             reply = self._data.get_into(url, headers, views)
         except rawhttp.ConnectionFailed as exc:
             return TransientStoreError(f"{what}: connection failed ({exc})")
         status = reply.status
         if status in (200, 206):
-            got_range = reply.headers.get("Content-Range", "")
-            whole = status == 200 and start == 0
-            if not (whole or got_range.startswith(f"bytes {start}-{start + length - 1}/")):
-                # Bytes of another range (a broken proxy or server): never pass them on.
-                return TransientStoreError(f"{what}: the reply is for {got_range!r}")
-            if reply.received == length:
-                return True
-            return TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
+            problem = reply.body_error(start, length)
+            return True if problem is None else TransientStoreError(f"{what}: {problem}")
         code = reply.headers.get("x-ms-error-code", "")
         if status in _RETRY_STATUSES or code in _RETRY_CODES:
             return TransientStoreError(f"{what}: store error {code or status}")

@@ -521,7 +521,6 @@ class S3Backend(Backend):
         is tried once more, at once, if the credential files now hold newer ones; any other
         reply is final."""
         length = sum(len(v) for v in views)
-        expected_range = f"bytes {start}-{start + length - 1}/"
         headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
         if etag:
             headers["If-Match"] = etag
@@ -542,17 +541,10 @@ class S3Backend(Backend):
                 tries.failed(TransientStoreError(f"{what}: connection failed ({exc})"))
                 continue
             if reply.status in (200, 206):
-                got_range = reply.headers.get("Content-Range", "")
-                whole = reply.status == 200 and start == 0
-                if not (whole or got_range.startswith(expected_range)):
-                    # Bytes of another range (a broken proxy or server): never pass them on.
-                    tries.failed(TransientStoreError(f"{what}: the reply is for {got_range!r}"))
-                    continue
-                if reply.received == length:
+                problem = reply.body_error(start, length)
+                if problem is None:
                     return
-                tries.failed(
-                    TransientStoreError(f"{what}: got {reply.received} bytes, expected {length}")
-                )
+                tries.failed(TransientStoreError(f"{what}: {problem}"))
                 continue
             code = _error_code(reply.error_body) or str(reply.status)
             # The SDK's error shape, so that one table (_map_error) maps every request's errors.
