@@ -11,6 +11,11 @@ by thread name (from /proc/PID/task/*/stat), and its peak RSS; then the machine'
 seconds meanwhile, split into s3rver, the loader (this process), the daemon and the rest
 (the kernel's own threads: softirqs, writeback, ...). ``--py-spy`` records the
 daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
+
+``--binding`` runs the same loads (``--tp``, ``--cat`` and ``--first-touch`` included) through
+the binding ceiling instead (``binding_ceiling.py``: the model served from memory by a minimal
+pyfuse3 file system with objfs's mount options): what the kernel and the binding allow for
+that access pattern, so that a gap between the two is objfs's own.
 """
 
 from __future__ import annotations
@@ -148,6 +153,12 @@ def main() -> None:
     )
     p.add_argument("--cat", action="store_true", help="cat the shards instead of loading them")
     p.add_argument(
+        "--binding",
+        action="store_true",
+        help="serve the loads from the binding ceiling (the model in memory, a minimal pyfuse3 "
+        "file system) instead of objfs; implies --cold-only",
+    )
+    p.add_argument(
         "--timeline",
         action="store_true",
         help="print s3rver's and the daemon's CPU and the bytes sent per half second of loads",
@@ -177,11 +188,15 @@ def main() -> None:
                 work / "objfs.log",
                 ["--endpoint-url", server.url, *args.extra.split()],
             )
+            name, child_env = "objfs", None
+            if args.binding:
+                cmd = env.binding_ceiling_cmd(model, mnt)
+                name, child_env = "binding ceiling", {"PYTHONPATH": str(env.REPO)}
             for phase in ("cold", "remount"):
-                if phase == "remount" and (cache_dir is None or args.cold_only):
+                if phase == "remount" and (cache_dir is None or args.cold_only or args.binding):
                     continue
                 cache.drop()
-                with env.mounted("objfs", cmd, mnt, work / "objfs.log") as m:
+                with env.mounted(name, cmd, mnt, work / "objfs.log", child_env) as m:
                     files = sorted(mnt.glob("*.safetensors"))
                     reads_before = 0
                     fetched_before = 0
@@ -255,6 +270,27 @@ def main() -> None:
                             spy.send_signal(2)
                             spy.wait()
                         used = after - before
+                        total = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
+                        gb = nbytes / 1e9
+                        top = ", ".join(
+                            f"{k} {v / gb:.0f}" if k.endswith("ctxsw") else f"{k} {v / gb:.2f}"
+                            for k, v in sorted(used.items())
+                        )
+                        s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
+                        machine, steal = (b - a for a, b in zip(who0[2], who1[2], strict=True))
+                        usage = (
+                            f"{'':8s} machine CPU {machine:.2f} s in {elapsed:.2f} s: s3rver "
+                            f"{s3rver:.2f}, loader {loader:.2f}, daemon {total:.2f}, other "
+                            f"{machine - s3rver - loader - total:.2f}; stolen {steal:.2f}"
+                        )
+                        if args.binding:  # no store, no status file
+                            print(
+                                f"{measure:8s} {elapsed:6.2f} s  binding ceiling "
+                                f"{total / gb:.2f} CPU s/GB rss {m.peak_rss_mib():.0f} MiB "
+                                f"[{top}]\n{usage}",
+                                flush=True,
+                            )
+                            continue
                         time.sleep(1.2)  # the status file is rewritten every second
                         status = json.loads(
                             subprocess.run(
@@ -268,12 +304,6 @@ def main() -> None:
                         reads_before = served["reads"]
                         fetched = status["store"]["bytes_fetched"] - fetched_before
                         fetched_before = status["store"]["bytes_fetched"]
-                        total = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
-                        gb = nbytes / 1e9
-                        top = ", ".join(
-                            f"{k} {v / gb:.0f}" if k.endswith("ctxsw") else f"{k} {v / gb:.2f}"
-                            for k, v in sorted(used.items())
-                        )
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
                             f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
@@ -284,14 +314,7 @@ def main() -> None:
                             f"store {status['store']['requests']}",
                             flush=True,
                         )
-                        s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
-                        machine, steal = (b - a for a, b in zip(who0[2], who1[2], strict=True))
-                        print(
-                            f"{'':8s} machine CPU {machine:.2f} s in {elapsed:.2f} s: s3rver "
-                            f"{s3rver:.2f}, loader {loader:.2f}, daemon {total:.2f}, other "
-                            f"{machine - s3rver - loader - total:.2f}; stolen {steal:.2f}",
-                            flush=True,
-                        )
+                        print(usage, flush=True)
     finally:
         if args.keep_log and (work / "objfs.log").exists():
             shutil.copy(work / "objfs.log", args.keep_log)
