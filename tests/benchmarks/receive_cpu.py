@@ -9,8 +9,8 @@ Starts s3rver (data on /dev/shm), uploads the bench model, and fetches its shard
 GETs (presigned URLs), each body received into 1 MiB views of buffers faulted in beforehand,
 so neither FUSE nor the page cache nor new memory is measured. Each round tries every
 receive low-water mark (``rawhttp._RCVLOWAT``; 0 is off), in a rotating order, and prints
-this process's user and system CPU seconds per GB, its context switches per GB and the wall
-time; then the medians.
+this process's user and system CPU seconds per GB, its context switches per GB, s3rver's CPU
+seconds per GB (what serving these GETs cost the server) and the wall time; then the medians.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 
 from objfs import rawhttp
 from tests.benchmarks import bench_env as env
+from tests.benchmarks.profile_load import process_cpu
 
 PART = 8 << 20
 VIEW = 1 << 20
@@ -66,7 +67,7 @@ def main() -> None:
             (k, off, min(PART, n - off)) for k, n in sizes.items() for off in range(0, n, PART)
         ]
         gb = sum(sizes.values()) / 1e9
-        results: dict[int, list[tuple[float, float, float, float]]] = {m: [] for m in marks}
+        results: dict[int, list[tuple[float, float, float, float, float]]] = {m: [] for m in marks}
         for rnd in range(args.runs):
             for mark in marks[rnd % len(marks) :] + marks[: rnd % len(marks)]:
                 rawhttp._RCVLOWAT = mark
@@ -82,24 +83,32 @@ def main() -> None:
                     if reply.received != n:
                         raise RuntimeError(f"GET {key} at {off}: {reply.status}, {reply.received}")
 
+                s0 = process_cpu(server.pid)
                 t0, c0, w0 = os.times(), context_switches(), time.perf_counter()
                 with ThreadPoolExecutor(THREADS) as ex:
                     list(ex.map(get, items))
                 wall = time.perf_counter() - w0
-                t1, c1 = os.times(), context_switches()
+                t1, c1, s1 = os.times(), context_switches(), process_cpu(server.pid)
                 pool.close()
-                row = ((t1.user - t0.user) / gb, (t1.system - t0.system) / gb, (c1 - c0) / gb, wall)
+                row = (
+                    (t1.user - t0.user) / gb,
+                    (t1.system - t0.system) / gb,
+                    (c1 - c0) / gb,
+                    (s1 - s0) / gb,
+                    wall,
+                )
                 results[mark].append(row)
                 print(
                     f"mark {mark:8d}: user {row[0]:.3f} system {row[1]:.3f} CPU s/GB, "
-                    f"{row[2]:.0f} context switches/GB, {wall:.2f} s",
+                    f"{row[2]:.0f} context switches/GB, s3rver {row[3]:.2f} CPU s/GB, "
+                    f"{wall:.2f} s",
                     flush=True,
                 )
         for mark, rows in results.items():
-            med = [statistics.median(r[i] for r in rows) for i in range(4)]
+            med = [statistics.median(r[i] for r in rows) for i in range(5)]
             print(
                 f"median, mark {mark:8d}: user {med[0]:.3f} system {med[1]:.3f} CPU s/GB, "
-                f"{med[2]:.0f} context switches/GB, {med[3]:.2f} s"
+                f"{med[2]:.0f} context switches/GB, s3rver {med[3]:.2f} CPU s/GB, {med[4]:.2f} s"
             )
     finally:
         server.stop()
