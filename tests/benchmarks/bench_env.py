@@ -622,6 +622,14 @@ def binding_ceiling_cmd(src: Path, path: Path) -> list[str]:
     return [sys.executable, "-m", "tests.benchmarks.binding_ceiling", str(src), str(path)]
 
 
+def binding_ceiling_env() -> dict[str, str | None]:
+    """What ``binding_ceiling_cmd`` adds to the environment (see ``mounted``): the repository
+    ahead of any ``PYTHONPATH``, so ``tests.benchmarks`` imports from any working folder."""
+    return {
+        "PYTHONPATH": os.pathsep.join([str(REPO), *filter(None, [os.environ.get("PYTHONPATH")])])
+    }
+
+
 def fuse_tuning(path: Path) -> dict[str, int]:
     """The kernel's settings for the FUSE mount at ``path``: the bdi's ``read_ahead_kb`` and
     the connection's ``max_background`` and ``congestion_threshold`` (what objfs tunes).

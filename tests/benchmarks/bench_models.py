@@ -594,8 +594,7 @@ def binding_run(b: Bench) -> dict[str, float]:
     extra: dict[str, Any] = {}
     mnt, _ = b.fresh("binding")
     cmd = env.binding_ceiling_cmd(b.model_dir, mnt)
-    python_path = [str(env.REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    child_env: dict[str, str | None] = {"PYTHONPATH": os.pathsep.join(python_path)}
+    child_env = env.binding_ceiling_env()
     for phases in (("cold", "warm"), ("remount",)):
         with env.mounted("binding ceiling", cmd, mnt, b.log("binding-ceiling"), child_env) as m:
             shards = [mnt / s for s in env.SHARDS]
@@ -934,8 +933,7 @@ def memory_pass(b: Bench, url: str, only: list[str]) -> None:
     else (the binding ceiling) and for objfs."""
     mnt, cache = b.fresh("objfs-memory")
     bmnt, _ = b.fresh("binding-memory")
-    python_path = [str(env.REPO), *filter(None, [os.environ.get("PYTHONPATH")])]
-    child_env: dict[str, str | None] = {"PYTHONPATH": os.pathsep.join(python_path)}
+    child_env = env.binding_ceiling_env()
     try:
         with _objfs_mount(b, url, env.MODEL_BUCKET, mnt, cache):
             shards = [str(mnt / s) for s in env.SHARDS]

@@ -181,17 +181,18 @@ def main() -> None:
         for run in range(args.runs):
             cache_dir = None if args.no_cache_dir else work / f"cache{run}"
             mnt = work / "mnt"
-            cmd = env.objfs_cmd(
-                f"s3://{env.MODEL_BUCKET}",
-                mnt,
-                cache_dir,
-                work / "objfs.log",
-                ["--endpoint-url", server.url, *args.extra.split()],
-            )
-            name, child_env = "objfs", None
             if args.binding:
-                cmd = env.binding_ceiling_cmd(model, mnt)
-                name, child_env = "binding ceiling", {"PYTHONPATH": str(env.REPO)}
+                name, cmd = "binding ceiling", env.binding_ceiling_cmd(model, mnt)
+                child_env = env.binding_ceiling_env()
+            else:
+                name, child_env = "objfs", None
+                cmd = env.objfs_cmd(
+                    f"s3://{env.MODEL_BUCKET}",
+                    mnt,
+                    cache_dir,
+                    work / "objfs.log",
+                    ["--endpoint-url", server.url, *args.extra.split()],
+                )
             for phase in ("cold", "remount"):
                 if phase == "remount" and (cache_dir is None or args.cold_only or args.binding):
                     continue
