@@ -16,7 +16,8 @@ wakeup: a call that gets part of its view returns it when the timeout runs out, 
 call's timeout starts afresh, so a body that stops is noticed after one to two read timeouts.
 Even so, a blocking receive was woken for every segment that arrived (s3rver sends 64 KiB at a
 time: about 16 wakeups and context switches per MiB), so while a body is read the socket's
-``SO_RCVLOWAT`` is raised to 1 MiB: the kernel wakes the thread once that much is queued.
+``SO_RCVLOWAT`` is raised to 1 MiB: the kernel wakes the thread once that much is queued
+(or earlier, when the receive window or buffer is nearly full).
 It is never more than the body still has to deliver after the current view, plus one byte
 (the wakeup compares what is queued with the mark, not with what the call still needs, so a
 higher mark would leave the body's last view waiting for bytes that never come), and it is
