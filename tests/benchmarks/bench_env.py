@@ -314,6 +314,17 @@ def settle_page_cache(cache: PageCache, backed_bytes: int) -> None:
     touch_and_free(backed_bytes)
 
 
+def host_reported_mib() -> float | None:
+    """MiB of free memory this guest has reported to its host so far (virtio-balloon free
+    page reporting: the host takes such memory back, and the next write to it faults in the
+    host); None where the kernel has no such counter. Only read, never changed."""
+    try:
+        kib = Path("/sys/module/page_reporting/parameters/reported_kib").read_text()
+    except OSError:
+        return None
+    return int(kib) / 1024
+
+
 def first_touch_s_per_gb(nbytes: int = 1 << 30) -> tuple[float, float]:
     """CPU seconds per GB to write one byte per page of new anonymous memory: (after the
     host took the machine's free memory back, right after the same amount was written and

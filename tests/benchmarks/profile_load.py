@@ -178,6 +178,7 @@ def main() -> None:
         # (about 2 CPU s in this process, which the cold load would otherwise include).
         t_load(sorted(model.glob("*.safetensors")))
         os.environ["AWS_ENDPOINT_URL"] = server.url
+        reported_prev = env.host_reported_mib()  # at the end of the previous load
         for run in range(args.runs):
             cache_dir = None if args.no_cache_dir else work / f"cache{run}"
             mnt = work / "mnt"
@@ -243,6 +244,7 @@ def main() -> None:
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
                         who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        reported0 = env.host_reported_mib()
                         sent0 = server.bytes_sent()
                         timeline = Timeline(server, m.pid)
                         if measure == phase and args.first_touch != "any":
@@ -255,6 +257,7 @@ def main() -> None:
                                 process_cpu(os.getpid()),
                                 machine_cpu(),
                             )
+                            reported0 = env.host_reported_mib()
                         with timeline if args.timeline else contextlib.nullcontext():
                             if args.tp:
                                 elapsed = tp_load([str(f) for f in files])
@@ -266,6 +269,7 @@ def main() -> None:
                             print(timeline.table(), flush=True)
                         after = thread_cpu(m.pid)
                         who1 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        reported1 = env.host_reported_mib()
                         sent = server.bytes_sent() - sent0
                         if spy is not None:
                             spy.send_signal(2)
@@ -284,6 +288,20 @@ def main() -> None:
                             f"{s3rver:.2f}, loader {loader:.2f}, daemon {total:.2f}, other "
                             f"{machine - s3rver - loader - total:.2f}; stolen {steal:.2f}"
                         )
+                        if (
+                            reported_prev is not None
+                            and reported0 is not None
+                            and reported1 is not None
+                        ):
+                            # Free memory the guest gave back to the host (a VM's free page
+                            # reporting): the load's new page-cache pages may be such pages,
+                            # each faulting in the host at its first write.
+                            usage += (
+                                f"; reported to the host: {reported0 - reported_prev:.0f} MiB "
+                                f"since the previous load, {reported1 - reported0:.0f} during "
+                                "this one"
+                            )
+                        reported_prev = reported1
                         if args.binding:  # no store, no status file
                             print(
                                 f"{measure:8s} {elapsed:6.2f} s  binding ceiling "
