@@ -187,10 +187,9 @@ def _sleeps() -> int:
     raise AssertionError("no voluntary_ctxt_switches in /proc/thread-self/status")
 
 
-# A sender in its own process, so the receiving thread never waits for this process's GIL
-# (a sender thread here made it wait for the GIL after its wakeups, a voluntary switch each,
-# and the count varied from run to run). It answers one request with the file's bytes in
-# 16 KiB sends with a pause after each.
+# A sender in its own process, so the count holds only the receiving thread's waits for data
+# (a sender thread here would add its waits for this process's GIL). It answers one request
+# with the file's bytes in 16 KiB sends with a pause after each.
 _SENDER = """
 import socket, sys, time
 body = open(sys.argv[1], "rb").read()

@@ -314,6 +314,13 @@ def settle_page_cache(cache: PageCache, backed_bytes: int) -> None:
     touch_and_free(backed_bytes)
 
 
+def process_cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of process ``pid``, its reaped children
+    excluded."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def host_reported_mib() -> float | None:
     """MiB of free memory this guest has reported to its host so far (virtio-balloon free
     page reporting: the host takes such memory back, and the next write to it faults in the

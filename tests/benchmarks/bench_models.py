@@ -357,10 +357,7 @@ def load_with_cpu(
 
 def store_cpu_s(b: Bench) -> float:
     """CPU seconds (user + system, all threads) s3rver, the store of both passes, has used."""
-    import psutil
-
-    times = psutil.Process(b.s3.pid).cpu_times()
-    return float(times.user + times.system)
+    return env.process_cpu(b.s3.pid)
 
 
 def fuse_run(b: Bench, kind: FuseKind, url: str, full: bool) -> dict[str, float]:

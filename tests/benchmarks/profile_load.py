@@ -58,12 +58,6 @@ def thread_cpu(pid: int) -> Counter[str]:
     return out
 
 
-def process_cpu(pid: int) -> float:
-    """CPU seconds (user + system) of process ``pid``, its reaped children excluded."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK
-
-
 def machine_cpu() -> tuple[float, float]:
     """CPU seconds the whole machine spent busy (/proc/stat's cpu line: user, nice, system,
     irq, softirq), and those stolen by the hypervisor (steal: the host ran something else)."""
@@ -90,7 +84,7 @@ class Timeline:
         self.samples.append(
             (
                 time.perf_counter(),
-                process_cpu(self.server.pid),
+                env.process_cpu(self.server.pid),
                 self.server.bytes_sent(),
                 sum(thread_cpu(self.daemon).values()),
                 machine_cpu()[0],
@@ -243,7 +237,11 @@ def main() -> None:
                             )
                             time.sleep(1.0)
                         before = thread_cpu(m.pid)
-                        who0 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        who0 = (
+                            env.process_cpu(server.pid),
+                            env.process_cpu(os.getpid()),
+                            machine_cpu(),
+                        )
                         reported0 = env.host_reported_mib()
                         sent0 = server.bytes_sent()
                         timeline = Timeline(server, m.pid)
@@ -253,8 +251,8 @@ def main() -> None:
                             )
                             before = thread_cpu(m.pid)
                             who0 = (
-                                process_cpu(server.pid),
-                                process_cpu(os.getpid()),
+                                env.process_cpu(server.pid),
+                                env.process_cpu(os.getpid()),
                                 machine_cpu(),
                             )
                             reported0 = env.host_reported_mib()
@@ -268,7 +266,11 @@ def main() -> None:
                         if args.timeline and measure != "warm":
                             print(timeline.table(), flush=True)
                         after = thread_cpu(m.pid)
-                        who1 = (process_cpu(server.pid), process_cpu(os.getpid()), machine_cpu())
+                        who1 = (
+                            env.process_cpu(server.pid),
+                            env.process_cpu(os.getpid()),
+                            machine_cpu(),
+                        )
                         reported1 = env.host_reported_mib()
                         sent = server.bytes_sent() - sent0
                         if spy is not None:

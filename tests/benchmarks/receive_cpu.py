@@ -27,7 +27,6 @@ from pathlib import Path
 
 from objfs import rawhttp
 from tests.benchmarks import bench_env as env
-from tests.benchmarks.profile_load import process_cpu
 
 PART = 8 << 20
 VIEW = 1 << 20
@@ -83,12 +82,12 @@ def main() -> None:
                     if reply.received != n:
                         raise RuntimeError(f"GET {key} at {off}: {reply.status}, {reply.received}")
 
-                s0 = process_cpu(server.pid)
+                s0 = env.process_cpu(server.pid)
                 t0, c0, w0 = os.times(), context_switches(), time.perf_counter()
                 with ThreadPoolExecutor(THREADS) as ex:
                     list(ex.map(get, items))
                 wall = time.perf_counter() - w0
-                t1, c1, s1 = os.times(), context_switches(), process_cpu(server.pid)
+                t1, c1, s1 = os.times(), context_switches(), env.process_cpu(server.pid)
                 pool.close()
                 row = (
                     (t1.user - t0.user) / gb,
