@@ -42,7 +42,8 @@ ALLOWED = frozenset(
 
 
 def read_credentials_file(path: str) -> dict[str, str]:
-    """Parse ``path``; raises UsageError naming the file and line (never a value)."""
+    """Parse ``path``; raises UsageError naming the file, the line number and what the line
+    should be (never any of the line's text: a name may be a secret mistyped)."""
     return _read(path)[0]
 
 
@@ -70,9 +71,11 @@ def _read(path: str) -> tuple[dict[str, str], int]:
         if not sep or not name:
             raise UsageError(f"{option} {path}: line {number} is not NAME=VALUE")
         if name not in ALLOWED:
+            # Never echo the line: a bare secret with base64 padding ("...==") parses as a
+            # NAME=VALUE line whose name is the secret.
             raise UsageError(
-                f"{option} {path}: line {number}: {name[:64]!r} is not a credential variable "
-                "objfs reads (" + ", ".join(sorted(ALLOWED)) + ")"
+                f"{option} {path}: line {number} does not set a credential variable objfs "
+                "reads: give NAME=VALUE lines, NAME one of " + ", ".join(sorted(ALLOWED))
             )
         value = value.strip()
         if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
