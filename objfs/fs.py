@@ -78,6 +78,7 @@ from objfs.errors import (
     StaleObjectError,
     TransientStoreError,
 )
+from objfs.nursery import open_nursery
 from objfs.readahead import Readahead
 from objfs.scheduler import Fetcher, ceil_div
 from objfs.singleflight import SingleFlight
@@ -120,7 +121,8 @@ class Node:
     # The read-ahead state its open handles share (None while none is open).
     readahead: Readahead | None = None
     # One byte per block: 1 once the block was served whole to the kernel (its page cache
-    # holds it now, so read-ahead need not fetch it again).
+    # holds it now, so read-ahead need not fetch it again). Allocated at the first open, not
+    # when the node is listed: a listed key costs O(1) memory whatever its size.
     served: bytearray = field(default_factory=bytearray)
 
 
@@ -308,7 +310,6 @@ class FileSystem:
                     size=info.size,
                     etag=info.etag,
                     mtime_ns=info.mtime_ns,
-                    served=bytearray(ceil_div(info.size, self.block_size)),
                 ),
             )
         else:
@@ -619,7 +620,7 @@ class FileSystem:
             self._store_call()
             is_dir = await self.backend.has_keys_under(key + "/")
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             nursery.start_soon(head)
             nursery.start_soon(under)
         self._store_answered()
@@ -761,6 +762,8 @@ class FileSystem:
         if node.superseded:
             raise StaleObjectError(f"{node.key!r} was replaced or removed; look it up again")
         keep_cache = True
+        if len(node.served) != ceil_div(node.size, self.block_size):
+            node.served = bytearray(ceil_div(node.size, self.block_size))
         node.opens += 1
         fh = self._new_fh()
         readahead = node.readahead

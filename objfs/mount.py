@@ -49,15 +49,20 @@ from objfs.errors import (
     MountpointNotDirectoryError,
     MountpointNotEmptyError,
     NotMountedError,
+    INTERNAL_ERROR_RECORD,
+    InternalError,
     ObjfsError,
     UnmountFailedError,
     UsageError,
+    internal_error_message,
+    log_internal_error,
 )
 from objfs.fs import FileSystem
 from objfs.fuse_ops import ObjfsOperations
 from objfs.jsonlog import JsonFormatter
 from objfs.metrics import InstrumentedBackend, Telemetry
 from objfs.mountinfo import _mountinfo_record, mount_entry
+from objfs.nursery import open_nursery
 
 log = logging.getLogger("objfs")
 
@@ -81,7 +86,10 @@ _MAX_FUSE_TASKS = 64
 def setup_logging(
     level: str, log_file: str | None, *, daemon: bool, log_format: str = "text"
 ) -> None:
-    """Log to stderr in the foreground, to --log-file if given, else to syslog as a daemon."""
+    """Log to stderr in the foreground, to --log-file if given, else to syslog as a daemon.
+
+    An internal error's traceback (:func:`objfs.errors.log_internal_error`) goes to the file
+    and syslog at every level, to stderr only at debug level."""
     root = logging.getLogger()
     root.handlers.clear()
     root.setLevel(level.upper())
@@ -92,7 +100,11 @@ def setup_logging(
     if log_file:
         handlers.append(logging.FileHandler(log_file))
     if not daemon:
-        handlers.append(logging.StreamHandler(sys.stderr))
+        terminal = logging.StreamHandler(sys.stderr)
+        if level.lower() != "debug":
+            # An internal error's traceback: the command prints its one line here itself.
+            terminal.addFilter(lambda record: not getattr(record, INTERNAL_ERROR_RECORD, False))
+        handlers.append(terminal)
     elif not log_file and os.path.exists("/dev/log"):
         syslog = logging.handlers.SysLogHandler(address="/dev/log")
         syslog.setFormatter(logging.Formatter("objfs[%(process)d]: %(levelname)s %(message)s"))
@@ -408,7 +420,7 @@ async def serve_async(
         tuned.set()
 
     try:
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(tune_after_init)
             nursery.start_soon(_watch_signals, nursery.cancel_scope)

@@ -2,7 +2,9 @@
 
 Hypothesis draws a world (one to four files of 0-40 MiB, some ``*.safetensors``; a memory
 budget of 16-64 MiB; 1 MiB blocks and 2-8 MiB parts; a store latency; with or without a disk
-cache) and a program of one to three mounts. Each mount is a new ``FileSystem`` over the same
+cache, whose cap may be small enough to evict versions that handles still read; a store with
+ETags or one that sends none, whose versions are pinned by size and last-modified second) and
+a program of one to three mounts. Each mount is a new ``FileSystem`` over the same
 ``MemoryBackend`` and the same disk-cache directory (so a later mount hits the disk tier, and
 may use larger parts than the mount that filled it), opens every file once, then runs steps:
 opens, closes, sequential and random reads, background readers overlapping the main one,
@@ -160,6 +162,8 @@ class World:
     latency_s: float
     connections: int
     disk: bool
+    disk_cap: int  # the disk tier's --cache-size: small ones evict versions still open
+    etags: bool  # False: a store that sends no ETags
 
 
 # Whole MiB counts plus an odd tail (hypothesis favours small integers, so the MiB count is
@@ -195,6 +199,8 @@ worlds = st.builds(
     latency_s=st.sampled_from([0.0, 0.002, 0.01]),
     connections=st.sampled_from([3, 8, 32]),
     disk=st.sampled_from([True, True, False]),  # mostly: remounts then hit the disk tier
+    disk_cap=st.sampled_from([1 << 30, 1 << 30, 8 * MiB, 24 * MiB]),
+    etags=st.sampled_from([True, True, False]),
 )
 reads = st.one_of(
     st.builds(Read, slot=slots, start_permille=permilles, length=lengths, chunk=chunks),
@@ -488,13 +494,17 @@ def mount(world: World, backend: MemoryBackend, tmp: str, config: MountConfig) -
     disk = None
     if world.disk:
         disk = DiskCache(
-            tmp, namespace="memory://", block_size=BLOCK, size_limit_bytes=1 << 30, min_free_bytes=0
+            tmp,
+            namespace="memory://",
+            block_size=BLOCK,
+            size_limit_bytes=world.disk_cap,
+            min_free_bytes=0,
         )
     return FileSystem(backend, config, disk)
 
 
 async def run_program(world: World, program: Sequence[Mount], tmp: str) -> None:
-    backend = MemoryBackend(latency_s=world.latency_s)
+    backend = MemoryBackend(latency_s=world.latency_s, etags=world.etags)
     model = Model(world, backend, [0] * len(world.files))
     backend.fault = model.fault
     for file, (size, _) in enumerate(world.files):

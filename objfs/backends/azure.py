@@ -94,7 +94,7 @@ from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from objfs import rawhttp
-from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.backends.base import Backend, ListPage, ObjectInfo, reply_version_error
 from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source, redact_url
 from objfs.credentials import CredentialWatch
 from objfs.errors import (
@@ -498,6 +498,14 @@ def _mtime_ns(value: _dt.datetime) -> int:
     return int(value.timestamp()) * 1_000_000_000 + value.microsecond * 1000
 
 
+def _check_version(what: str, pin: str, etag: str | None) -> None:
+    """Raise StaleObjectError when a data reply's ETag is not the pinned one (a gateway that
+    ignored If-Match): its bytes are never passed on."""
+    problem = reply_version_error(pin, etag, None, None)
+    if problem is not None:
+        raise StaleObjectError(f"{what}: {problem}")
+
+
 def _etag(value: object) -> str:
     """The ETag in its HTTP form, quoted: listings report it bare, HEAD and GET quoted."""
     text = str(value or "")
@@ -813,6 +821,11 @@ class AzureBackend(Backend):
         ).by_page()
         return bool(await self._call(f"listing {self._url(prefix)}", lambda: _next_page(pages)))
 
+    async def has_keys_under(self, prefix: str) -> bool:
+        """One flat listing of at most one blob under ``prefix`` (any depth)."""
+        pages = self._container.list_blobs(name_starts_with=prefix, results_per_page=1).by_page()
+        return bool(await self._call(f"listing {self._url(prefix)}", lambda: _next_page(pages)))
+
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         what = f"listing {self._url(prefix)}"
 
@@ -894,7 +907,7 @@ class AzureBackend(Backend):
                 headers["If-Match"] = etag
             url, headers = self._signer.sign("GET", self._origin, path, headers)
             if not self._proxied:
-                outcome = self._get_raw(what, key, url, headers, start, length, views, tries)
+                outcome = self._get_raw(what, key, etag, url, headers, start, length, views, tries)
                 if outcome is True:
                     return
                 if isinstance(outcome, Exception):
@@ -926,6 +939,7 @@ class AzureBackend(Backend):
                             if len(piece) < len(view):
                                 break
                         if got == length:
+                            _check_version(what, etag, resp.headers.get("ETag"))
                             return
                         error = TransientStoreError(f"{what}: got {got} bytes, expected {length}")
                 else:
@@ -949,6 +963,7 @@ class AzureBackend(Backend):
         self,
         what: str,
         key: str,
+        etag: str,
         url: str,
         headers: dict[str, str],
         start: int,
@@ -967,7 +982,10 @@ class AzureBackend(Backend):
         status = reply.status
         if status in (200, 206):
             problem = reply.body_error(start, length)
-            return True if problem is None else TransientStoreError(f"{what}: {problem}")
+            if problem is not None:
+                return TransientStoreError(f"{what}: {problem}")
+            _check_version(what, etag, reply.headers.get("ETag"))
+            return True
         code = reply.headers.get("x-ms-error-code", "")
         if status in _RETRY_STATUSES or code in _RETRY_CODES:
             return TransientStoreError(f"{what}: store error {code or status}")

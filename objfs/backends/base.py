@@ -10,13 +10,93 @@ Contracts:
 * Failures are :mod:`objfs.errors` exceptions, never SDK exceptions.
 * :meth:`Backend.read_range` returns exactly ``length`` bytes, or raises: a store that sends
   fewer is a transient error, never passed on.
+* Versions: ``ObjectInfo.etag`` is the version's *pin*, made by :func:`version_pin`: the
+  store's ETag, or, for a store that sends none, a pin made of the size and the last-modified
+  second (``objfs-size-mtime:SIZE:SECONDS``; logged once). A read of a pinned version sends
+  ``If-Match`` with a real ETag (:func:`if_match`) and checks every reply against the pin
+  (:func:`reply_version_error`): a reply of another version is StaleObjectError even from a
+  store or gateway that ignores ``If-Match``, so its bytes are never passed on.
 """
 
 from __future__ import annotations
 
 import abc
+import email.utils
+import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+
+# The pin of a version whose store sent no ETag (see version_pin). Not a valid ETag (no
+# quotes), so it can never equal one a store sends.
+_NO_ETAG_PIN = "objfs-size-mtime:"
+_warned_no_etag = False
+
+
+def version_pin(etag: str, size: int, mtime_ns: int, key: str) -> str:
+    """The pin of one object version: its ETag, or, when the store sent none, its size and
+    last-modified second (the precision of the HTTP ``Last-Modified`` header). Logs once per
+    process that versions of such a store are told apart that way."""
+    if etag:
+        return etag
+    global _warned_no_etag
+    if not _warned_no_etag:
+        _warned_no_etag = True
+        log.warning(
+            "the store sent no ETag for %r: objfs tells versions apart by size and "
+            "last-modified second for such objects (a replacement of the same size within the "
+            "same second goes unnoticed)",
+            key,
+        )
+    return f"{_NO_ETAG_PIN}{size}:{mtime_ns // 1_000_000_000}"
+
+
+def if_match(pin: str) -> str | None:
+    """The ``If-Match`` value for a read of the pinned version (None for a pin without an
+    ETag: the reply's size and date are checked instead)."""
+    return None if not pin or pin.startswith(_NO_ETAG_PIN) else pin
+
+
+def _bare_etag(etag: str) -> str:
+    etag = etag.strip()
+    if etag.startswith("W/"):
+        etag = etag[2:]
+    return etag.strip('"')
+
+
+def reply_version_error(
+    pin: str, etag: str | None, last_modified: str | None, total_size: int | None
+) -> str | None:
+    """Why a data reply is not of the pinned version (None: it is, as far as the reply
+    tells). ``etag``, ``last_modified`` (an HTTP date) and ``total_size`` (the object's size,
+    from ``Content-Range`` or a whole reply's length) are the reply's, None where it sent
+    none. A reply without an ETag cannot be checked against an ETag pin, and passes."""
+    if not pin:
+        return None
+    if not pin.startswith(_NO_ETAG_PIN):
+        if etag and _bare_etag(etag) != _bare_etag(pin):
+            return f"the reply is of version {etag}, not the pinned {pin}"
+        return None
+    size_s, _, seconds_s = pin[len(_NO_ETAG_PIN) :].partition(":")
+    if total_size is not None and total_size != int(size_s):
+        return f"the object now has {total_size} bytes, not the pinned {size_s}"
+    if last_modified:
+        try:
+            when = int(email.utils.parsedate_to_datetime(last_modified).timestamp())
+        except (TypeError, ValueError):
+            return None
+        if when != int(seconds_s):
+            return f"the object was modified at {last_modified}, after the pinned version"
+    return None
+
+
+def content_range_total(content_range: str | None) -> int | None:
+    """The total size in a ``Content-Range: bytes A-B/TOTAL`` header (None if unknown)."""
+    if not content_range:
+        return None
+    _, _, total = content_range.rpartition("/")
+    return int(total) if total.strip().isdigit() else None
 
 
 @dataclass(frozen=True)

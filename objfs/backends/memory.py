@@ -3,7 +3,9 @@
 It follows S3's listing rules (lexicographic keys, ``/`` delimiter, common prefixes, pages of
 ``page_size`` entries) and S3's conditional reads (a read pinned to an ETag fails with
 StaleObjectError once the key holds another version). ``statistics()`` counts requests so
-that tests can assert how many round trips the layers above made.
+that tests can assert how many round trips the layers above made. ``etags=False`` plays a
+store that sends no ETags: versions are then pinned by size and last-modified second
+(:func:`~objfs.backends.base.version_pin`), and each new version gets a later second.
 
 Objects can be real bytes or :class:`SyntheticData`, which derives every byte from its offset,
 so tests can serve multi-GiB objects (e.g. reads past 4 GiB) without holding them.
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 
 import trio
 
-from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.backends.base import Backend, ListPage, ObjectInfo, version_pin
 from objfs.errors import ObjectNotFoundError, ObjfsError, StaleObjectError
 
 _CHUNK = 4096  # SyntheticData repeats one sha256 digest 128 times per 4 KiB chunk
@@ -72,8 +74,11 @@ class MemoryBackend(Backend):
         page_size: int = 1000,
         latency_s: float = 0.0,
         fault: Callable[[str, str], None] | None = None,
+        etags: bool = True,
     ) -> None:
         self.description = "memory://"
+        self.etags = etags
+        self._last_mtime_ns = 0
         self.page_size = page_size
         self.latency_s = latency_s
         self.fault = fault
@@ -90,10 +95,16 @@ class MemoryBackend(Backend):
         """Store ``data`` under ``key`` as a new version; returns its ETag."""
         self._version += 1
         etag = hashlib.md5(f"{key}:{self._version}".encode(), usedforsecurity=False).hexdigest()
+        if mtime_ns is None:
+            mtime_ns = time.time_ns()
+            if not self.etags:  # a later second than any earlier version
+                mtime_ns = max(mtime_ns, self._last_mtime_ns + 1_000_000_000)
+        self._last_mtime_ns = max(self._last_mtime_ns, mtime_ns)
         if key not in self._objects:
             bisect.insort(self._sorted, key)
-        self._objects[key] = _Stored(data, etag, time.time_ns() if mtime_ns is None else mtime_ns)
-        return etag
+        stored = _Stored(data, etag, mtime_ns)
+        self._objects[key] = stored
+        return self._info(key, stored).etag
 
     def delete(self, key: str) -> None:
         del self._objects[key]
@@ -119,7 +130,8 @@ class MemoryBackend(Backend):
             self.fault(op, key)
 
     def _info(self, key: str, obj: _Stored) -> ObjectInfo:
-        return ObjectInfo(key=key, size=obj.size, etag=obj.etag, mtime_ns=obj.mtime_ns)
+        etag = obj.etag if self.etags else version_pin("", obj.size, obj.mtime_ns, key)
+        return ObjectInfo(key=key, size=obj.size, etag=etag, mtime_ns=obj.mtime_ns)
 
     async def check(self, prefix: str) -> bool:
         await self._request("list", prefix)
@@ -163,7 +175,7 @@ class MemoryBackend(Backend):
         obj = self._objects.get(key)
         if obj is None:
             raise ObjectNotFoundError(f"{key!r} not found")
-        if obj.etag != etag:
+        if self._info(key, obj).etag != etag:
             raise StaleObjectError(f"{key!r} changed while open (ETag {etag} is gone)")
         data = obj.read(start, length)
         if len(data) != length:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
+import email.utils
 import gzip
 import json
 import logging
@@ -54,7 +55,15 @@ from botocore.awsrequest import AWSRequest
 from botocore.config import Config
 
 from objfs import rawhttp
-from objfs.backends.base import Backend, ListPage, ObjectInfo
+from objfs.backends.base import (
+    Backend,
+    ListPage,
+    ObjectInfo,
+    content_range_total,
+    if_match,
+    reply_version_error,
+    version_pin,
+)
 from objfs.config import S3Options, redact_url
 from objfs.credentials import CredentialWatch
 from objfs.errors import (
@@ -122,6 +131,22 @@ _BODY_ERRORS = (
 
 def _mtime_ns(value: _dt.datetime) -> int:
     return int(value.timestamp()) * 1_000_000_000 + value.microsecond * 1000
+
+
+def _info(key: str, size: int, etag: object, modified: _dt.datetime) -> ObjectInfo:
+    """The version a listing entry or a HEAD reports (see base.version_pin)."""
+    mtime_ns = _mtime_ns(modified)
+    pin = version_pin(str(etag or ""), size, mtime_ns, key)
+    return ObjectInfo(key=key, size=size, etag=pin, mtime_ns=mtime_ns)
+
+
+def _check_version(
+    what: str, pin: str, etag: object, last_modified: str | None, total: int | None
+) -> None:
+    """Raise StaleObjectError when a data reply is of another version than ``pin``."""
+    problem = reply_version_error(pin, None if etag is None else str(etag), last_modified, total)
+    if problem is not None:
+        raise StaleObjectError(f"{what}: {problem}")
 
 
 class _ReloadableCredentials:
@@ -461,6 +486,17 @@ class S3Backend(Backend):
         )
         return bool(resp.get("Contents") or resp.get("CommonPrefixes"))
 
+    async def has_keys_under(self, prefix: str) -> bool:
+        """One listing of at most one key under ``prefix`` (no delimiter: any depth)."""
+        resp = await self._call(
+            f"listing s3://{self.bucket}/{prefix}",
+            self._client.list_objects_v2,
+            Bucket=self.bucket,
+            Prefix=prefix,
+            MaxKeys=1,
+        )
+        return bool(resp.get("Contents") or resp.get("CommonPrefixes"))
+
     async def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
         token: str | None = None
         what = f"listing s3://{self.bucket}/{prefix}"
@@ -471,12 +507,7 @@ class S3Backend(Backend):
             resp = await self._call(what, self._client.list_objects_v2, **kwargs)
             yield ListPage(
                 objects=[
-                    ObjectInfo(
-                        key=o["Key"],
-                        size=int(o.get("Size", 0)),
-                        etag=str(o.get("ETag", "")),
-                        mtime_ns=_mtime_ns(o["LastModified"]),
-                    )
+                    _info(o["Key"], int(o.get("Size", 0)), o.get("ETag"), o["LastModified"])
                     for o in resp.get("Contents", ())
                 ],
                 prefixes=[p["Prefix"] for p in resp.get("CommonPrefixes", ())],
@@ -490,12 +521,7 @@ class S3Backend(Backend):
         resp = await self._call(
             f"HEAD s3://{self.bucket}/{key}", self._client.head_object, Bucket=self.bucket, Key=key
         )
-        return ObjectInfo(
-            key=key,
-            size=int(resp["ContentLength"]),
-            etag=str(resp.get("ETag", "")),
-            mtime_ns=_mtime_ns(resp["LastModified"]),
-        )
+        return _info(key, int(resp["ContentLength"]), resp.get("ETag"), resp["LastModified"])
 
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         buf = bytearray(length)
@@ -518,12 +544,13 @@ class S3Backend(Backend):
         """(Worker thread) One ranged GET into ``views``, with objfs's one retry layer:
         connection failures, 5xx/throttling, short bodies and wrong ranges are retried
         ``max_attempts`` times in all, with jittered backoff; a refusal of the credentials
-        is tried once more, at once, if the credential files now hold newer ones; any other
-        reply is final."""
+        is tried once more, at once, if the credential files now hold newer ones; a reply of
+        another version than ``etag`` pins is StaleObjectError; any other reply is final."""
         length = sum(len(v) for v in views)
         headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
-        if etag:
-            headers["If-Match"] = etag
+        condition = if_match(etag)
+        if condition:
+            headers["If-Match"] = condition
         tries = Tries(self.options.max_attempts, self._watch, _backoff_s)
         while True:
             url, signed = self._signed_get(key, headers)
@@ -534,6 +561,10 @@ class S3Backend(Backend):
                     if self._is_refusal(exc) and tries.refused():
                         continue
                     raise
+                except (TransientStoreError, *_BODY_ERRORS) as exc:
+                    # A short, broken or misplaced body: the same retries as below.
+                    tries.failed(self._map_error(exc, what))
+                    continue
                 return
             try:
                 reply = self._data.get_into(url, signed, views)
@@ -543,6 +574,16 @@ class S3Backend(Backend):
             if reply.status in (200, 206):
                 problem = reply.body_error(start, length)
                 if problem is None:
+                    total = content_range_total(reply.headers.get("Content-Range"))
+                    if total is None and reply.status == 200:
+                        total = length
+                    _check_version(
+                        what,
+                        etag,
+                        reply.headers.get("ETag"),
+                        reply.headers.get("Last-Modified"),
+                        total,
+                    )
                     return
                 tries.failed(TransientStoreError(f"{what}: {problem}"))
                 continue
@@ -590,16 +631,18 @@ class S3Backend(Backend):
     def _get_into_via_sdk(
         self, what: str, key: str, etag: str, start: int, views: Sequence[memoryview]
     ) -> None:
-        """(Worker thread) The same GET through botocore, for endpoints behind a proxy from
-        the environment (botocore's retries apply; the body is copied once more)."""
+        """(Worker thread) One try of the same GET through botocore, for endpoints behind a
+        proxy from the environment (botocore retries the request; the caller retries a short,
+        broken or misplaced body; the body is copied once more)."""
         length = sum(len(v) for v in views)
         kwargs: dict[str, Any] = {
             "Bucket": self.bucket,
             "Key": key,
             "Range": f"bytes={start}-{start + length - 1}",
         }
-        if etag:
-            kwargs["IfMatch"] = etag
+        condition = if_match(etag)
+        if condition:
+            kwargs["IfMatch"] = condition
         resp = self._client.get_object(**kwargs)
         got_range = str(resp.get("ContentRange", ""))
         body: Any = resp["Body"]
@@ -609,6 +652,16 @@ class S3Backend(Backend):
                 or got_range.startswith(f"bytes {start}-{start + length - 1}/")
             ):
                 raise TransientStoreError(f"{what}: the reply is for {got_range!r}")
+            modified = resp.get("LastModified")
+            _check_version(
+                what,
+                etag,
+                resp.get("ETag"),
+                email.utils.format_datetime(modified, usegmt=True)
+                if isinstance(modified, _dt.datetime)
+                else None,
+                content_range_total(got_range) if got_range else int(resp.get("ContentLength", 0)),
+            )
             for view in views:
                 data = body.read(len(view))
                 if len(data) != len(view):
