@@ -1085,3 +1085,137 @@ def test_an_orphan_objfs_mount_at_the_target_is_replaced_on_publish(plugin: Plug
     finally:
         umount_all_at(other)
     assert mounts_under(plugin.base) == []
+
+
+# -- bounds on stacked mounts (issue 30, item 3) ----------------------------------------------
+
+
+def loop_on_offer_socket(path: str, loops: int) -> int:
+    """What a container may do to its pod's 0666 offer socket: connect, read what comes and
+    close, ``loops`` times (the fd that comes with an offer is dropped unread, as a plain
+    ``recv`` drops it). Returns how many connections got an offer. The plugin takes one
+    connection at a time, so when the last ``recv`` returns the plugin has handled every
+    earlier connection, and mounts only when it accepts one: the mount count is final."""
+    offers = 0
+    for _ in range(loops):
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            conn.settimeout(30)
+            conn.connect(path)
+            offers += bool(conn.recv(4096))
+        finally:
+            conn.close()
+    return offers
+
+
+def start_with_replace_interval(
+    plugin: Plugin, monkeypatch: pytest.MonkeyPatch, seconds: str
+) -> None:
+    assert plugin.stop() == 0
+    monkeypatch.setenv("OBJFS_CSI_REPLACE_INTERVAL_S", seconds)
+    plugin.start()
+
+
+def test_a_pod_looping_on_its_offer_socket_gets_a_burst_of_replacements_then_none(
+    plugin: Plugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each connection that leaves with the fd unanswered kills the mount, and the next one
+    would get a fresh mount stacked on it: 40 loops stacked 40 mounts before the bound. Now
+    the first connection takes the published mount, the next REPLACE_BURST get replacements
+    and the rest are closed without an offer (no token comes back within the test: one per
+    hour), with one warning."""
+    from objfs.csi.node import REPLACE_BURST
+
+    start_with_replace_interval(plugin, monkeypatch, "3600")
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    path = str(pod.short_fd_dir() / socket_name("vol-a", str(target)))
+    assert loop_on_offer_socket(path, 40) == 1 + REPLACE_BURST
+    assert mounts_under(plugin.base) == [str(target)] * (1 + REPLACE_BURST)
+    assert plugin.log.read_text().count("not replacing the dead mount") == 1
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+
+
+def test_replacements_stop_at_the_cap_however_slowly_they_come(
+    plugin: Plugin, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A sidecar that keeps dying (OOM-killed at every start) gets replacements at the rate
+    the bucket allows, but never more than MAX_REPLACEMENTS stacked on the target: here the
+    bucket refills between any two connections (a token per microsecond)."""
+    from objfs.csi.node import MAX_REPLACEMENTS
+
+    start_with_replace_interval(plugin, monkeypatch, "0.000001")
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    path = str(pod.short_fd_dir() / socket_name("vol-a", str(target)))
+    assert loop_on_offer_socket(path, MAX_REPLACEMENTS + 10) == 1 + MAX_REPLACEMENTS
+    assert mounts_under(plugin.base) == [str(target)] * (1 + MAX_REPLACEMENTS)
+    log = plugin.log.read_text()
+    assert log.count("not replacing the dead mount") == 1
+    assert "replacements are stacked there already" in log
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+
+
+def test_unpublish_fails_while_a_mount_it_cannot_remove_is_on_top(plugin: Plugin) -> None:
+    """A mount objfs did not make, on top of its own: unpublish never answers OK with mounts
+    left at the target; once that mount is gone, the kubelet's retry finishes the job."""
+    from objfs.csi import fusemount
+
+    pod = plugin.pod()
+    target = pod.target("models")
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    # mount(2) itself, not mount(8): nothing may stat the unserved FUSE mount beneath.
+    assert fusemount._libc.mount(b"tmpfs", os.fsencode(target), b"tmpfs", 0, None) == 0
+    try:
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.unpublish("vol-a", target)
+        assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "a tmpfs mount that objfs did not make remains at" in info.value.details()
+        assert "\n" not in info.value.details()
+        assert len(mounts_under(plugin.base)) == 2
+    finally:
+        fusemount.detach(str(target))
+    plugin.unpublish("vol-a", target)
+    assert mounts_under(plugin.base) == []
+    assert not target.exists()
+
+
+def test_unpublish_fails_while_objfs_mounts_remain_past_max_stacked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More objfs mounts stacked than one unpublish detaches (MAX_STACKED, lowered here to 2):
+    FAILED_PRECONDITION with the mounts left, not OK; the next call removes the rest."""
+    from objfs.csi import fusemount
+    from objfs.csi.node import CsiError, Node
+
+    base = Path(tempfile.mkdtemp(prefix="objfs-csi-", dir="/tmp"))
+    target = base / "kubelet" / "pods" / "p" / "volumes" / "kubernetes.io~csi" / "v" / "mount"
+    target.mkdir(parents=True)
+    try:
+        for _ in range(3):
+            fd = fusemount.open_fuse_device()
+            try:
+                fusemount.mount_fd(fd, str(target), "stacked-by-the-test")
+            finally:
+                os.close(fd)  # nobody serves it: a dead mount
+        monkeypatch.setattr(fusemount, "MAX_STACKED", 2)
+        node = Node("node-1", str(base / "kubelet"))
+        request = proto.message_class("NodeUnpublishVolumeRequest")(
+            volume_id="vol-a", target_path=str(target)
+        )
+        with pytest.raises(CsiError) as info:
+            node.unpublish(request)
+        assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION
+        assert "objfs mounts remain at" in str(info.value)
+        assert mounts_under(base) == [str(target)]
+        node.unpublish(request)
+        assert mounts_under(base) == []
+        assert not target.exists()
+    finally:
+        lazy_umount_all(base)
+        if not mounts_under(base):
+            shutil.rmtree(base, ignore_errors=True)

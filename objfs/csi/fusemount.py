@@ -85,6 +85,18 @@ def mounts_below(directory: str, fstype: str = FSTYPE) -> list[str]:
     return found
 
 
+def stacked(target: str, fstype: str = FSTYPE) -> int:
+    """How many mounts of type ``fstype`` sit at ``target`` (a real path), from mountinfo."""
+    count = 0
+    with open("/proc/self/mountinfo", encoding="utf-8", errors="surrogateescape") as f:
+        for line in f:
+            left, _, right = line.partition(" - ")
+            fields, rest = left.split(), right.split()
+            if len(fields) >= 5 and rest and rest[0] == fstype:
+                count += _unescape_mountinfo(fields[4]) == target
+    return count
+
+
 def open_fuse_device() -> int:
     """A fresh ``/dev/fuse`` fd (close-on-exec): one FUSE connection once mounted."""
     return os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
@@ -120,8 +132,10 @@ def detach(target: str) -> bool:
     return True
 
 
-#: A bound on the mounts :func:`detach_all` takes from one target (it stops earlier when
-#: mountinfo shows no objfs mount on top): the first mount and one per sidecar takeover.
+#: A bound on the mounts :func:`detach_all` takes from one target in one call (it stops
+#: earlier when mountinfo shows no objfs mount on top): the node plugin stacks at most
+#: ``1 + objfs.csi.node.MAX_REPLACEMENTS``, far below; more can only come from outside (or
+#: an older objfs), and the caller reports what remains rather than looping without end.
 MAX_STACKED = 4096
 
 

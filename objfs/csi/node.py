@@ -37,7 +37,11 @@ the target's mount (``mountPropagation: HostToContainer``), which receives a mou
 of the dead one but neither a detach of it nor a mount made afterwards on the bare directory.
 So containers with that propagation see the new mount; others keep the dead one until the pod
 restarts. A target thus holds one dead mount per sidecar restart (or sidecar gone without
-answering), all beneath the live one and all removed at unpublish; "mounted", the device number
+answering), all beneath the live one and all removed at unpublish. As any process in the pod
+may connect to the socket (and leave without answering), replacements are bounded: at most
+:data:`MAX_REPLACEMENTS` per target (counted in mountinfo), spent from a bucket of
+:data:`REPLACE_BURST` that gains one every :data:`REPLACE_INTERVAL_S`; a connection beyond
+those is closed without an offer, and each refusal is logged once. "mounted", the device number
 (kernel tuning) and restart recovery read the topmost one from mountinfo
 (:func:`objfs.csi.fusemount.mounted`). A sidecar that answers an error, or
 nothing within :data:`OFFER_REPLY_TIMEOUT_S`, is dropped. After an error answer, or an offer
@@ -49,8 +53,11 @@ a fresh mount on top, as after a restart.
 
 NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches
 every objfs mount stacked on the target (``MNT_DETACH``, topmost first, until mountinfo shows
-none there: never waits for a sidecar) and removes the target directory; it answers OK for a
-target that is not mounted or not known, and INVALID_ARGUMENT for one outside ``--kubelet-dir``.
+none there, at most :data:`objfs.csi.fusemount.MAX_STACKED`: never waits for a sidecar) and
+removes the target directory; it answers OK for a target that is not mounted or not known,
+INVALID_ARGUMENT for one outside ``--kubelet-dir``, and FAILED_PRECONDITION while any mount
+remains at the target (one objfs did not make on top, or objfs mounts past that bound): never
+OK with a mount left, so the kubelet retries instead of taking the volume for gone.
 
 Invariants: the node plugin never stats, opens or resolves a path inside a mount it made (see
 :mod:`objfs.csi.fusemount`); nothing waits on a sidecar without a timeout or a way to be woken
@@ -101,6 +108,7 @@ from objfs.config import MountConfig
 from objfs.csi import DRIVER_NAME, proto
 from objfs.csi.fusemount import (
     FSTYPE,
+    MountInfo,
     close_quietly,
     detach,
     detach_all,
@@ -109,6 +117,7 @@ from objfs.csi.fusemount import (
     mounts_below,
     open_fuse_device,
     real_target,
+    stacked,
 )
 from objfs.csi.volume import (
     POD_UID_KEY,
@@ -129,6 +138,21 @@ OFFER_REPLY_TIMEOUT_S = 60.0
 #: environment variable :data:`WAIT_LIMIT_ENV` overrides it (seconds; for tests).
 SIDECAR_WAIT_LIMIT_S = 600.0
 WAIT_LIMIT_ENV = "OBJFS_CSI_SIDECAR_WAIT_S"
+#: At most this many replacements per target, so at most 1 + this objfs mounts stacked there
+#: (counted in mountinfo): each connection to the 0666 offer socket that finds the mount dead
+#: stacks one, beneath the live one until NodeUnpublishVolume, in the host's mount table and
+#: in every container's with HostToContainer propagation. 32 sidecar deaths in one pod's life
+#: mean a broken pod (a sidecar OOM-killed at every start), not one worth more mounts.
+MAX_REPLACEMENTS = 32
+#: Replacements spend tokens from a bucket of this many: a sidecar restart and an abandoned
+#: offer or two in quick succession all go through at once.
+REPLACE_BURST = 4
+#: The bucket gains one token per this many seconds (:data:`REPLACE_INTERVAL_ENV` overrides
+#: it; for tests): the kubelet restarts a crash-looping sidecar 10, 20, 40 s... apart, which
+#: never empties the bucket, while a pod looping connect/close on its socket gets
+#: :data:`REPLACE_BURST` mounts at once, then one per half minute, up to the cap.
+REPLACE_INTERVAL_S = 30.0
+REPLACE_INTERVAL_ENV = "OBJFS_CSI_REPLACE_INTERVAL_S"
 #: How often blocking socket calls wake up to see whether the target is being unpublished.
 _POLL_S = 0.5
 #: How often the main thread wakes up to run a signal handler the kernel's delivery to
@@ -178,6 +202,12 @@ class Publication:
     active: socket.socket | None = None
     stop: threading.Event = field(default_factory=threading.Event)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: The replacement bucket (:data:`REPLACE_BURST`): tokens left, and when last counted.
+    tokens: float = REPLACE_BURST
+    tokens_at: float = field(default_factory=time.monotonic)
+    #: Why the last replacement was refused ("rate" or "cap"; "" once one went through), so
+    #: a refusal is logged once, not once per connection.
+    refused: str = ""
 
     def payload(self) -> dict[str, Any]:
         return {
@@ -208,7 +238,8 @@ class Node:
         self.state_dir = os.path.join(self.kubelet_dir, "plugins", DRIVER_NAME, "state")
         self._publications: dict[str, Publication] = {}
         self._lock = threading.Lock()
-        self.wait_limit_s = _wait_limit()
+        self.wait_limit_s = _seconds_from_env(WAIT_LIMIT_ENV, SIDECAR_WAIT_LIMIT_S)
+        self.replace_interval_s = _seconds_from_env(REPLACE_INTERVAL_ENV, REPLACE_INTERVAL_S)
 
     # -- Identity ----------------------------------------------------------------------------
 
@@ -350,14 +381,19 @@ class Node:
                 pub.fd = -1
             # Every mount stacked there: the first one and one per sidecar takeover.
             count = _detach_objfs_stack(target)
-            if mounted(target) is None:
-                try:
-                    os.rmdir(target)
-                except FileNotFoundError:
-                    pass
-                except OSError as exc:
-                    log.warning("leaving %s in place: %s", target, exc.strerror)
             self._remove_saved(target)
+            left = mounted(target)
+            if left is not None:
+                # Never OK with a mount left: the kubelet would take the volume for gone.
+                raise CsiError(
+                    grpc.StatusCode.FAILED_PRECONDITION, _left_message(target, left, count)
+                )
+            try:
+                os.rmdir(target)
+            except FileNotFoundError:
+                pass
+            except OSError as exc:
+                log.warning("leaving %s in place: %s", target, exc.strerror)
         if pub is not None or count:
             log.info("unpublished %s from %s", request.volume_id, target)
         return proto.message_class("NodeUnpublishVolumeResponse")()
@@ -563,7 +599,11 @@ class Node:
                 return
             if pub.fd < 0:
                 # Dead (its sidecar is gone) or unknown (found after a restart): a connecting
-                # sidecar is not serving this target, so replace the mount.
+                # sidecar is not serving this target, so replace the mount, if the bounds
+                # allow; if not, the connection is closed without an offer (the sidecar
+                # retries later, and a pod looping on the socket stacks nothing more).
+                if not self._may_replace(pub):
+                    return
                 self._replace_mount(pub)
             fd = pub.fd
         try:
@@ -619,6 +659,41 @@ class Node:
                 "the sidecar of %s is gone: readers get ENOTCONN until a sidecar connects again",
                 pub.target,
             )
+
+    def _may_replace(self, pub: Publication) -> bool:
+        """Whether a replacement may go ahead now (it then spends a token); called under
+        ``pub.lock``. Refused past :data:`MAX_REPLACEMENTS` (the objfs mounts stacked at the
+        target, from mountinfo, so a restarted plugin counts them too) or while the bucket
+        (:data:`REPLACE_BURST`, one more every :attr:`replace_interval_s`) is empty; each
+        refusal is logged once, until a replacement goes through again."""
+        now = time.monotonic()
+        pub.tokens = min(
+            float(REPLACE_BURST),
+            pub.tokens + (now - pub.tokens_at) / self.replace_interval_s,
+        )
+        pub.tokens_at = now
+        if stacked(pub.target) > MAX_REPLACEMENTS:
+            reason = "cap"
+            message = (
+                f"not replacing the dead mount on {pub.target}: {MAX_REPLACEMENTS} "
+                "replacements are stacked there already (one per sidecar that died or left "
+                "without answering); readers get ENOTCONN until the pod is deleted"
+            )
+        elif pub.tokens < 1:
+            reason = "rate"
+            message = (
+                f"not replacing the dead mount on {pub.target} yet: sidecars connect faster "
+                f"than {REPLACE_BURST} replacements at once, then one per "
+                f"{self.replace_interval_s:g} s; their connections are closed meanwhile"
+            )
+        else:
+            pub.tokens -= 1
+            pub.refused = ""
+            return True
+        if pub.refused != reason:
+            pub.refused = reason
+            log.warning("%s", message)
+        return False
 
     def _replace_mount(self, pub: Publication) -> None:
         """Mounts a fresh FUSE connection on top of the dead one, which stays beneath.
@@ -741,17 +816,30 @@ def _detach_objfs_stack(target: str) -> int:
         ) from None
 
 
-def _wait_limit() -> float:
-    """:data:`SIDECAR_WAIT_LIMIT_S`, or the seconds in :data:`WAIT_LIMIT_ENV` when set."""
-    value = os.environ.get(WAIT_LIMIT_ENV, "").strip()
+def _left_message(target: str, left: MountInfo, detached: int) -> str:
+    """Why NodeUnpublishVolume fails with ``left`` still the topmost mount at ``target``."""
+    if left.fstype == FSTYPE:
+        return (
+            f"objfs mounts remain at {target} after detaching {detached} (more than the node "
+            "plugin ever stacks): the kubelet's next NodeUnpublishVolume detaches more"
+        )
+    return (
+        f"a {left.fstype} mount that objfs did not make remains at {target}: unmount it on "
+        "the node; the kubelet's next NodeUnpublishVolume then finishes"
+    )
+
+
+def _seconds_from_env(name: str, default: float) -> float:
+    """``default``, or the seconds in the environment variable ``name`` when set."""
+    value = os.environ.get(name, "").strip()
     if not value:
-        return SIDECAR_WAIT_LIMIT_S
+        return default
     try:
         seconds = float(value)
     except ValueError:
-        raise UsageError(f"{WAIT_LIMIT_ENV}={value!r}: give a number of seconds") from None
+        raise UsageError(f"{name}={value!r}: give a number of seconds") from None
     if not seconds > 0:
-        raise UsageError(f"{WAIT_LIMIT_ENV}={value!r}: give a positive number of seconds")
+        raise UsageError(f"{name}={value!r}: give a positive number of seconds")
     return seconds
 
 
