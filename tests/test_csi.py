@@ -1219,3 +1219,62 @@ def test_unpublish_fails_while_objfs_mounts_remain_past_max_stacked(
         lazy_umount_all(base)
         if not mounts_under(base):
             shutil.rmtree(base, ignore_errors=True)
+
+
+# -- values that read as options (issue 30, item 11) ------------------------------------------
+
+DASHED = [
+    ({"source": "-h"}, "'source' may not start with '-'"),
+    ({"source": "--help"}, "'source' may not start with '-'"),
+    ({"source": " -h "}, "'source' may not start with '-'"),
+    ({"source": "s3://bucket-a", "region": "-x"}, "'region': a value may not start with '-'"),
+    ({"source": "s3://bucket-a", "region": "-h"}, "'region': a value may not start with '-'"),
+    ({"source": "s3://bucket-a", "log-level": "--help"}, "'log-level': a value may not start"),
+]
+
+
+@pytest.mark.parametrize(("context", "message"), DASHED)
+def test_a_value_that_starts_with_a_dash_is_refused(
+    context: dict[str, str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Before, ``source: -h`` reached argparse's help action: 7 KB of help on stdout and
+    SystemExit(0) instead of an error."""
+    with pytest.raises(VolumeContextError, match=message) as info:
+        parse_volume_context({**POD, **context}, "/k/pods/x/volumes/kubernetes.io~csi/m/mount")
+    assert "\n" not in str(info.value)
+    assert capsys.readouterr() == ("", "")
+
+
+@pytest.mark.parametrize("argv", [["-h", "/t"], ["s3://bucket-a", "/t", "--help"]])
+def test_parsing_the_mount_options_never_prints_or_exits(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Whatever reaches the option parser (past the checks above), its help action raises a
+    VolumeContextError: no help printed, no SystemExit."""
+    from objfs.csi.volume import _check_mount_argv
+
+    with pytest.raises(VolumeContextError, match="the help option -h"):
+        _check_mount_argv(argv)
+    assert capsys.readouterr() == ("", "")
+
+
+def test_a_dashed_value_gets_invalid_argument_and_the_plugin_carries_on(plugin: Plugin) -> None:
+    pod = plugin.pod()
+    target = pod.target("models")
+    before = plugin.log.read_text()
+    for context, message in DASHED:
+        with pytest.raises(grpc.RpcError) as info:
+            plugin.publish(pod, "vol-a", target, **context)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+        assert message in info.value.details()
+        assert plugin.proc is not None
+        assert plugin.proc.poll() is None
+    assert mounts_under(plugin.base) == []
+    # The plugin's stdout and stderr both go to its log: no help or usage text came out.
+    added = plugin.log.read_text().removeprefix(before)
+    assert "usage:" not in added
+    assert "show this help message" not in added
+    # Still serving: a good publish goes through.
+    plugin.publish(pod, "vol-a", target, source="s3://bucket-a/models")
+    assert mounts_under(plugin.base) == [str(target)]
+    plugin.unpublish("vol-a", target)

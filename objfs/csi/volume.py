@@ -20,7 +20,9 @@ as in "max-connections: 0 is out of range"). The kubelet's
 ``serviceAccount.tokens`` is accepted (the kubelet sends it when the CSIDriver asks for tokens)
 and dropped here: it reaches neither the sidecar, nor the state files, nor any log. Checking
 never contacts the store: it runs the ``mount`` command's own argument parsing and value
-checks over the options (all local).
+checks over the options (all local). No value (``source`` or an option's) may start with
+``-``, so none reads as an option, and that parsing never prints (no help, no usage) and never
+exits the process: whatever argparse would print or exit with becomes a VolumeContextError.
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ def _is_flag(action: argparse.Action) -> bool:
 def _check_value(key: str, value: str) -> None:
     if "\n" in value or "\0" in value:
         raise VolumeContextError(f"volume attribute {key!r}: the value has a line break or NUL")
+    if value.lstrip().startswith("-"):
+        # It would read as an option of `objfs mount` (the sidecar's, or argparse's -h here).
+        raise VolumeContextError(f"volume attribute {key!r}: a value may not start with '-'")
     if key in PATH_OPTIONS and not os.path.isabs(value):
         raise VolumeContextError(
             f"volume attribute {key!r} must be an absolute path inside the objfs sidecar's "
@@ -208,6 +213,12 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
             "volume attribute 'source' is missing: give the bucket or container to mount, e.g. "
             "s3://BUCKET/PREFIX or az://CONTAINER/PREFIX"
         )
+    if source.startswith("-"):
+        # argparse would take it for an option: "-h" printed help and exited the plugin.
+        raise VolumeContextError(
+            "volume attribute 'source' may not start with '-': give the bucket or container "
+            "to mount, e.g. s3://BUCKET/PREFIX or az://CONTAINER/PREFIX"
+        )
     pod_uid = context.get(POD_UID_KEY, "")
     if not pod_uid:
         raise VolumeContextError(
@@ -267,14 +278,29 @@ def _check_mount_argv(argv: list[str]) -> MountConfig:
     def error(message: str) -> Any:
         raise _ParseError(message)
 
+    def print_help(file: Any = None) -> None:
+        raise _ParseError("a value reads as the help option -h")
+
+    def exit_(status: int = 0, message: str | None = None) -> Any:
+        raise _ParseError(message or "a value reads as an option that ends the command")
+
     try:
         with _PARSER_LOCK:
-            # argparse reports through parser.error (which exits); make it raise instead. The
-            # parser is this module's own copy, only ever used here.
+            # argparse reports through parser.error and ends -h through print_help and exit,
+            # all of which print or exit the process; make them raise instead and print
+            # nothing. The parser is this module's own copy, only ever used here.
             parser.error = error  # type: ignore[method-assign]
+            parser.print_help = print_help  # type: ignore[method-assign]
+            parser.exit = exit_  # type: ignore[method-assign]
+            parser._print_message = lambda message, file=None: None  # type: ignore[method-assign]
             args = parser.parse_args(argv)
-    except _ParseError as exc:
-        message = str(exc).replace("--", "")
+    except (_ParseError, SystemExit) as exc:
+        # SystemExit too, whatever else might raise it: a volume never ends the plugin.
+        message = (
+            str(exc).replace("--", "")
+            if isinstance(exc, _ParseError)
+            else "a value reads as an option that ends the command"
+        )
         raise VolumeContextError(f"volume attributes: {message}") from None
     # A file inside the sidecar's container: the node plugin cannot read it (and must not).
     args.credentials_file = None
