@@ -158,6 +158,12 @@ class MountLostError(ObjfsError):
     exit_code = 19
 
 
+class InternalError(ObjfsError):
+    """An unexpected exception (a bug, or a failure objfs has no message for) that stopped a
+    mount's daemon: already logged with its traceback (see :func:`log_internal_error`) and
+    reported to ``objfs mount``; raised in its place so that it is not logged twice."""
+
+
 class ReadOnlyError(ObjfsError):
     """Any attempt to modify the file system."""
 
@@ -215,3 +221,23 @@ EXIT_CODES: dict[int, str] = {
     18: "`status`: no live objfs daemon reports on the mount (it died or hangs)",
     19: "`sidecar`: the mount stopped while serving (the daemon died or was unmounted)",
 }
+
+
+#: The attribute that marks the log record of an internal error's traceback: a terminal's
+#: handler shows it only at debug level (objfs.mount.setup_logging), since the command prints
+#: the error's one line there itself.
+INTERNAL_ERROR_RECORD = "objfs_internal_error"
+
+
+def internal_error_message(exc: BaseException) -> str:
+    """One line for an unexpected exception: its type and message, newlines folded."""
+    text = " ".join(str(exc).split())
+    return f"internal error: {type(exc).__name__}" + (f": {text}" if text else "")
+
+
+def log_internal_error(logger: logging.Logger, exc: BaseException) -> None:
+    """Log ``exc`` with its traceback at error level: a log file and syslog always keep it,
+    a terminal (stderr) shows it only at debug level."""
+    logger.error(
+        "%s", internal_error_message(exc), exc_info=exc, extra={INTERNAL_ERROR_RECORD: True}
+    )
