@@ -19,16 +19,17 @@
   that fails or is cancelled gives back exactly the bytes it did not turn into blocks.
 * **Tiers.** A claimed run is filled from the disk tier where it has the blocks, the rest from
   the store with one ranged GET per run, received straight into the blocks' pooled buffers.
-  Blocks fetched from the store are queued for the disk tier behind the reader (write-behind:
-  a reply never waits for a disk write); the blocks waiting for the disk are pinned (and stay
-  in the memory budget while pinned), and the bytes so pinned are bounded (a quarter of the
-  budget). A run that finds the queue full is deferred, not waited for: its keys are noted,
-  and once the queue has drained to half the bound the blocks of deferred runs that are still
-  in memory are queued; those evicted meanwhile are not cached on disk (counted) but
-  remembered until a later fetch reads or writes them on disk, and the *backfill* fetches
-  the rest again and writes them once the mount has been idle for ``BACKFILL_IDLE_S`` (no
-  read, no read-ahead, nothing waiting for the disk), with memory only if it is free: after a
-  cold load and a second of idleness the disk tier holds every block it was offered. A warm
+  Blocks fetched from the store are queued for the disk tier behind the reader (write-behind: a
+  reply never waits for a disk write), in runs that ``DISK_WRITE_THREADS`` writers take from
+  one channel: while a run waits, no writer is idle. The blocks waiting for the disk are pinned
+  (and stay in the memory budget while pinned), and the bytes so pinned are bounded (a quarter
+  of the budget). A run that finds the queue full is deferred, not waited for: its keys are
+  noted, and once the queue has drained to half the bound the blocks of deferred runs that are
+  still in memory are queued; those evicted meanwhile are not cached on disk (counted) but
+  remembered until a later fetch reads or writes them on disk, and the *backfill* fetches the
+  rest again and writes them once the mount has been idle for ``BACKFILL_IDLE_S`` (no read, no
+  read-ahead, nothing waiting for the disk), with memory only if it is free: after a cold load
+  and a second of idleness the disk tier holds every block it was offered. A warm
   (``store_lost_now``) does the same for one version at once.
 
 Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
@@ -39,6 +40,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -127,9 +129,12 @@ class Fetcher:
         self._queued_job_of: dict[BlockKey, _Job] = {}
         self._jobs_of: dict[int, set[_Job]] = {}  # fh -> its cancellable jobs
         cache.on_space = self._memory_released
-        # Write-behind: runs of pinned blocks waiting for the disk, and their bytes.
-        self._disk_queue: collections.deque[list[tuple[BlockKey, Block]]] = collections.deque()
-        self._disk_queued = trio.Event()
+        # Write-behind: runs of pinned blocks waiting for the disk, in one channel that every
+        # idle writer receives from (each run goes to one writer, and no writer idles while a
+        # run waits), and the bytes queued or being written.
+        self._disk_runs_in, self._disk_runs = trio.open_memory_channel[
+            list[tuple[BlockKey, Block]]
+        ](math.inf)
         self._disk_write_bytes = 0
         self._disk_written = trio.Event()  # set whenever a queued disk write finishes
         self._deferred: collections.deque[list[tuple[BlockKey, int]]] = collections.deque(
@@ -463,8 +468,7 @@ class Fetcher:
         for _, block in piece:
             block.pin()
         self._disk_write_bytes += nbytes
-        self._disk_queue.append(piece)
-        self._disk_queued.set()
+        self._disk_runs_in.send_nowait(piece)  # unbounded: never raises WouldBlock
         return True
 
     def _disk_queue_limit(self) -> int:
@@ -512,7 +516,7 @@ class Fetcher:
 
     def _idle_for(self) -> float:
         """Seconds the mount has been idle, 0 while anything is queued, fetched or written."""
-        if self._jobs or self._starved or self._disk_queue or self._disk_write_bytes:
+        if self._jobs or self._starved or self._disk_write_bytes:
             return 0.0
         return trio.current_time() - self.last_activity
 
@@ -639,13 +643,12 @@ class Fetcher:
         return self.disk_backfilled - stored_before
 
     async def _disk_writer(self) -> None:
+        """One of ``DISK_WRITE_THREADS`` writers: takes the next queued run from the channel
+        (any idle writer may get it, so all write at once when runs wait) and writes it."""
         disk = self.disk
         assert disk is not None
         while True:
-            while not self._disk_queue:
-                self._disk_queued = trio.Event()
-                await self._disk_queued.wait()
-            run = self._disk_queue.popleft()
+            run = await self._disk_runs.receive()
             nbytes = sum(len(b) for _, b in run)
             try:
                 if disk.enabled:
