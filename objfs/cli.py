@@ -1,7 +1,9 @@
 """The ``objfs`` command: argument parsing and exit codes, nothing else.
 
 Every failure prints one line, ``objfs: error: ...``, and exits with the code listed in
-:data:`objfs.errors.EXIT_CODES`; a traceback is never shown (``--log-level debug`` logs it).
+:data:`objfs.errors.EXIT_CODES`; a traceback is never shown on the terminal (``--log-level
+debug`` shows it there). An internal error's traceback always goes to the log of a command
+that has one (a mount's ``--log-file`` or syslog, a sidecar's stderr).
 """
 
 from __future__ import annotations
@@ -20,13 +22,20 @@ from objfs.config import (
     AzureOptions,
     MountConfig,
     S3Options,
+    available_memory_bytes,
     default_memory_limit,
     parse_id,
     parse_size,
     parse_source,
     parse_ttl,
 )
-from objfs.errors import EXIT_CODES, ObjfsError, UsageError
+from objfs.errors import (
+    EXIT_CODES,
+    ObjfsError,
+    UsageError,
+    internal_error_message,
+    log_internal_error,
+)
 
 log = logging.getLogger("objfs")
 
@@ -478,10 +487,27 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
     )
 
 
+def _check_memory_limit(config: MountConfig, text: str | None) -> None:
+    """Refuse a --memory-limit beyond the memory of this machine (or of its cgroup).
+
+    Checked where the mount runs, not in :func:`_mount_config`, which the CSI node plugin
+    also runs for a sidecar's mount in another container."""
+    available = available_memory_bytes()
+    if config.memory_limit_bytes > available:
+        shown = (
+            repr(text) if text is not None else f"the default {config.memory_limit_bytes >> 20}M"
+        )
+        raise UsageError(
+            f"--memory-limit: {shown} is more than the {available / (1 << 30):.1f}G of memory "
+            "this machine (or its cgroup) has: give less"
+        )
+
+
 def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from objfs import mount
 
     config = _mount_config(args)
+    _check_memory_limit(config, args.memory_limit)
     if not config.foreground:
         # Validate what can be validated here so the common mistakes fail before a fork.
         mount.check_mountpoint(config.mountpoint)
@@ -495,13 +521,13 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     mount.setup_logging(
         config.log_level, config.log_file, daemon=daemon, log_format=args.log_format
     )
-    if credentials:
-        from objfs.credentials import load_credentials_file
-
-        load_credentials_file(credentials)
 
     def make_backend() -> Backend:
-        from objfs.credentials import CredentialWatch
+        from objfs.credentials import CredentialWatch, load_credentials_file
+
+        if credentials:
+            # Here, inside mount.serve: its warning reaches the terminal of `objfs mount`.
+            load_credentials_file(credentials)
 
         if config.source.account_root:  # s3://, az://: every bucket (container)
             from objfs.backends.account import open_account
@@ -536,6 +562,23 @@ def _run_status(args: argparse.Namespace) -> int:
     elif not args.probe:
         print(format_status(figures))
     return 0
+
+
+def _log_traceback(exc: Exception, args: argparse.Namespace) -> str:
+    """Log ``exc``'s traceback where this command logs (a mount's log file or syslog, a
+    sidecar's stderr; a terminal only at debug level); returns what to tell the user."""
+    handlers = logging.getLogger().handlers
+    if not handlers:  # no log set up: Python's last-resort handler would print a traceback
+        return "please report it"
+    log_internal_error(log, exc)
+    files = [h.baseFilename for h in handlers if isinstance(h, logging.FileHandler)]
+    if files:
+        return f"the traceback is in {files[0]}; please report it"
+    if any(not isinstance(h, logging.StreamHandler) for h in handlers):
+        return "the traceback is in the log (syslog); please report it"
+    if args.command == "mount" and getattr(args, "log_level", "") != "debug":
+        return "rerun with --log-file PATH or --log-level debug to see the traceback, and report it"
+    return "please report it"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -590,11 +633,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("objfs: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
-        log.debug("internal error", exc_info=True)
         print(
-            f"objfs: internal error: {type(exc).__name__}: {exc} "
-            "(rerun with --foreground --log-level debug and report it)",
-            file=sys.stderr,
+            f"objfs: {internal_error_message(exc)} ({_log_traceback(exc, args)})", file=sys.stderr
         )
         return 1
 

@@ -4,7 +4,10 @@
 mounts, serves until SIGINT/SIGTERM or an external unmount, and always unmounts on the way
 out. ``spawn_daemon`` runs ``serve`` in a detached child and returns only once the child
 reports that the mount serves (or fails with the child's error and exit code), so a script
-can use the mountpoint as soon as ``objfs mount`` returns.
+can use the mountpoint as soon as ``objfs mount`` returns; the warnings the child logged until
+then (an empty SOURCE, a disk cache turned off, kernel tuning refused) are printed on the
+stderr of ``objfs mount``. An internal error of a daemon goes to its log with the traceback,
+and to ``objfs mount`` as one line.
 
 Never stat the mountpoint from the process that serves it: the kernel would wait for an
 answer only this process can give. The daemon's parent does the final check instead.
@@ -42,15 +45,15 @@ from objfs.backends.base import Backend
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
+    INTERNAL_ERROR_RECORD,
     AlreadyMountedError,
     FuseUnavailableError,
+    InternalError,
     MountFailedError,
     MountpointMissingError,
     MountpointNotDirectoryError,
     MountpointNotEmptyError,
     NotMountedError,
-    INTERNAL_ERROR_RECORD,
-    InternalError,
     ObjfsError,
     UnmountFailedError,
     UsageError,
@@ -307,7 +310,7 @@ def _write_sysfs(path: str, value: int) -> bool:
         with open(path, "w") as f:
             f.write(f"{value}\n")
     except OSError as exc:
-        log.info("kernel tuning: cannot write %s (%s); keeping the default", path, exc.strerror)
+        log.warning("kernel tuning: cannot write %s (%s); keeping the default", path, exc.strerror)
         return False
     return True
 
@@ -352,7 +355,15 @@ async def serve_async(
     backend = InstrumentedBackend(backend)  # counts requests for metrics and `objfs status`
     has_keys = await backend.check(config.source.prefix)
     disk = open_disk_cache(config, backend)
-    fs = FileSystem(backend, config, disk)
+    try:
+        fs = FileSystem(backend, config, disk)  # maps the memory budget's arena
+    except OSError as exc:
+        if exc.errno != errno.ENOMEM:
+            raise
+        raise UsageError(
+            f"--memory-limit: the system refused {config.memory_limit_bytes >> 20}M of memory "
+            f"({exc.strerror}): give less (see free -h, ulimit -v and the cgroup's limit)"
+        ) from None
     if not has_keys:
         # Mounting an empty prefix is legal (objects may come later), but it is mostly a typo.
         fs.empty_source = True
@@ -458,7 +469,13 @@ def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd:
             with contextlib.suppress(OSError):
                 os.write(ready_fd, (message + "\n").encode("utf-8", "replace"))
 
+    # A daemon's warnings until it serves go to `objfs mount` too, which prints them.
+    startup = _StartupWarnings(report)
+    if ready_fd is not None:
+        logging.getLogger().addHandler(startup)
+
     def ready() -> None:
+        startup.detach()
         report("READY")
         _sd_notify("READY=1")
 
@@ -477,16 +494,60 @@ def serve(config: MountConfig, backend_factory: Callable[[], Backend], ready_fd:
         backend = backend_factory()
         trio.run(serve_async, config, backend, ready)
     except ObjfsError as exc:
+        startup.detach()
         if ready_fd is not None:  # a daemon: stderr goes nowhere, the log is all there is
             log.error("%s", exc)
         report(f"ERROR {exc.exit_code} {exc}")
         raise
+    except Exception as exc:
+        if ready_fd is None:
+            raise  # the command logs the traceback and prints the error (objfs.cli.main)
+        # A daemon: its stderr goes nowhere. The traceback goes to its log, the error's
+        # line to `objfs mount`, which prints it.
+        startup.detach()
+        log_internal_error(log, exc)
+        message = f"{internal_error_message(exc)} ({_traceback_whereabouts(config.log_file)})"
+        report(f"ERROR {InternalError.exit_code} {message}")
+        raise InternalError(message) from exc
     finally:
+        startup.detach()
         if ready_fd is not None:
             with contextlib.suppress(OSError):
                 os.close(ready_fd)
     _sd_notify("STOPPING=1")
     return 0
+
+
+class _StartupWarnings(logging.Handler):
+    """Until a daemon reports ready: each warning logged (an empty SOURCE, a disk cache
+    turned off, kernel tuning refused) is also sent to ``objfs mount`` as a ``WARNING
+    MESSAGE`` line on the readiness pipe (one write of one line, so lines from several
+    threads never mix); the command prints it on its terminal."""
+
+    def __init__(self, report: Callable[[str], None]) -> None:
+        super().__init__(logging.WARNING)
+        self._report = report
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = " ".join(record.getMessage().split())
+        except Exception:
+            self.handleError(record)
+            return
+        # At most 1000 characters: a line of at most PIPE_BUF (4096) bytes is written whole.
+        self._report(f"WARNING {message[:1000]}")
+
+    def detach(self) -> None:
+        logging.getLogger().removeHandler(self)
+
+
+def _traceback_whereabouts(log_file: str | None) -> str:
+    """Where a daemon's log keeps a traceback, for the error line of ``objfs mount``."""
+    if log_file:
+        return f"the traceback is in {log_file}; please report it"
+    if any(isinstance(h, logging.handlers.SysLogHandler) for h in logging.getLogger().handlers):
+        return "the traceback is in syslog; please report it"
+    return "no syslog here keeps the traceback: mount with --log-file PATH to see it"
 
 
 def _sd_notify(message: str) -> None:
@@ -507,7 +568,10 @@ def _sd_notify(message: str) -> None:
 
 
 def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> int:
-    """Start ``objfs mount ... --foreground`` detached; return once it serves or failed."""
+    """Start ``objfs mount ... --foreground`` detached; return once it serves or failed.
+
+    The warnings the daemon logs until then are printed on stderr as they come (its own
+    stderr goes nowhere); so is its error, whose exit code is returned."""
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "objfs", *argv, "--foreground", "--daemon-ready-fd", str(write_fd)]
     try:
@@ -524,8 +588,18 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
     mountpoint = os.path.abspath(mountpoint)
     deadline = time.monotonic() + _READY_TIMEOUT_S
     buf = b""
+    line = ""
     try:
-        while b"\n" not in buf:
+        while True:
+            # WARNING lines (see _StartupWarnings) until READY or ERROR: printed as they come.
+            head, newline, rest = buf.partition(b"\n")
+            if newline:
+                buf = rest
+                line = head.decode("utf-8", "replace").strip()
+                if line.startswith("WARNING "):
+                    print(f"objfs: warning: {line.removeprefix('WARNING ')}", file=sys.stderr)
+                    continue
+                break
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 proc.terminate()
@@ -538,11 +612,11 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
                 continue
             chunk = os.read(read_fd, 4096)
             if not chunk:
+                line = buf.decode("utf-8", "replace").strip()
                 break
             buf += chunk
     finally:
         os.close(read_fd)
-    line = buf.decode("utf-8", "replace").strip()
     if line == "READY":
         # Confirm from this (non-serving) process that the kernel sees the mount and the
         # daemon answers it.

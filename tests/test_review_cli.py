@@ -15,12 +15,17 @@ from __future__ import annotations
 import base64
 import logging
 import os
+import resource
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from objfs.config import available_memory_bytes
 from objfs.credentials import CredentialWatch
 from objfs.demo import LocalServer
+from objfs.mountinfo import mount_entry
 from tests.conftest import run_objfs
 from tests.helpers.known_secrets import remember
 
@@ -77,3 +82,113 @@ def test_a_bare_secret_in_a_rotated_credentials_file_stays_out_of_the_log(
     text = "\n".join(record.getMessage() for record in caplog.records)
     _assert_no_part_of(secret, text)
     assert f"{creds}: line 2 " in text, text
+
+
+# -- item 12: internal errors of a daemon, --memory-limit beyond the machine ---------------------
+
+
+def _one_line(res: subprocess.CompletedProcess[str], code: int) -> str:
+    assert res.returncode == code, res.stderr
+    assert "Traceback" not in res.stderr
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1, res.stderr
+    return lines[0]
+
+
+def test_a_memory_limit_beyond_the_machine_is_a_usage_error(
+    s3_server: LocalServer, bucket: str, mnt: Path, tmp_path: Path
+) -> None:
+    for mode in ((), ("--foreground",)):
+        res = run_objfs(
+            "mount", f"s3://{bucket}", str(mnt), "--endpoint-url", s3_server.url,
+            "--memory-limit", "64T", "--log-file", str(tmp_path / "objfs.log"), *mode,
+        )  # fmt: skip
+        line = _one_line(res, 2)
+        assert line.startswith("objfs: error: --memory-limit: '64T' is more than"), line
+
+
+def test_a_memory_limit_the_system_refuses_is_a_usage_error(
+    s3_server: LocalServer, bucket: str, mnt: Path, tmp_path: Path
+) -> None:
+    """Within the machine's memory, but more than the address space the process may have
+    (ulimit -v): mapping the budget's arena fails with ENOMEM."""
+    if available_memory_bytes() < 3 << 30:
+        pytest.skip("needs 3 GiB of memory for a --memory-limit the machine could give")
+
+    def limit_address_space() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30))
+
+    for mode in ((), ("--foreground",)):
+        res = run_objfs(
+            "mount", f"s3://{bucket}", str(mnt), "--endpoint-url", s3_server.url,
+            "--memory-limit", "3G", "--log-file", str(tmp_path / "objfs.log"), *mode,
+            preexec_fn=limit_address_space,
+        )  # fmt: skip
+        line = _one_line(res, 2)
+        assert line.startswith("objfs: error: --memory-limit: the system refused 3072M"), line
+
+
+_INJECT = """
+import os
+if os.environ.get("OBJFS_TEST_INJECT_ERROR"):
+    import objfs.fs
+
+    def _fail(*args, **kwargs):
+        raise RuntimeError("injected by a test")
+
+    objfs.fs.FileSystem.__init__ = _fail
+"""
+
+
+def _injecting_env(tmp_path: Path) -> dict[str, str]:
+    """The environment of an objfs whose FileSystem raises RuntimeError (an internal error):
+    a sitecustomize on PYTHONPATH patches it in each objfs process, the daemon's too."""
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_INJECT)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path, "OBJFS_TEST_INJECT_ERROR": "1"}
+
+
+@pytest.mark.parametrize("mode", ["daemon", "foreground"])
+def test_an_internal_error_is_logged_with_its_traceback_and_shown_in_one_line(
+    s3_server: LocalServer, s3: Any, bucket: str, mnt: Path, tmp_path: Path, mode: str
+) -> None:
+    s3.put_object(Bucket=bucket, Key="m/a", Body=b"a")
+    log = tmp_path / "objfs.log"
+    res = run_objfs(
+        "mount", f"s3://{bucket}/m", str(mnt), "--endpoint-url", s3_server.url,
+        "--log-file", str(log), *(["--foreground"] if mode == "foreground" else []),
+        env=_injecting_env(tmp_path),
+    )  # fmt: skip
+    line = _one_line(res, 1)
+    assert "internal error: RuntimeError: injected by a test" in line, line
+    assert "the traceback is in " in line, line
+    text = log.read_text()
+    assert " ERROR objfs: internal error: RuntimeError: injected by a test\n" in text, text
+    assert "Traceback (most recent call last):" in text, text
+    assert 'raise RuntimeError("injected by a test")' in text, text
+
+
+# -- item 15: start-up warnings on the terminal of `objfs mount` --------------------------------
+
+
+def test_mount_prints_the_daemons_start_up_warnings(
+    s3_server: LocalServer, bucket: str, tmp_path: Path
+) -> None:
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    res = run_objfs(
+        "mount", f"s3://{bucket}/nothing-here", str(mnt), "--endpoint-url", s3_server.url,
+        "--log-file", str(tmp_path / "objfs.log"),
+    )  # fmt: skip
+    try:
+        assert res.returncode == 0, res.stderr
+        assert f"objfs: warning: s3://{bucket}/nothing-here/ holds no objects" in res.stderr
+        assert "Traceback" not in res.stderr
+        assert all(line.startswith("objfs: warning: ") for line in res.stderr.splitlines())
+    finally:
+        if mount_entry(str(mnt)) is not None:
+            done = run_objfs("unmount", str(mnt))
+            assert done.returncode == 0, done.stderr
+    assert mount_entry(str(mnt)) is None
