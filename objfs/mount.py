@@ -4,10 +4,10 @@
 mounts, serves until SIGINT/SIGTERM or an external unmount, and always unmounts on the way
 out. ``spawn_daemon`` runs ``serve`` in a detached child and returns only once the child
 reports that the mount serves (or fails with the child's error and exit code), so a script
-can use the mountpoint as soon as ``objfs mount`` returns; the warnings the child logged until
-then (an empty SOURCE, a disk cache turned off, kernel tuning refused) are printed on the
-stderr of ``objfs mount``. An internal error of a daemon goes to its log with the traceback,
-and to ``objfs mount`` as one line.
+can use the mountpoint as soon as ``objfs mount`` returns; once it serves, the warnings the
+child logged until then (an empty SOURCE, a disk cache turned off, kernel tuning refused) are
+printed on the stderr of ``objfs mount``. An internal error of a daemon goes to its log with
+the traceback, and to ``objfs mount`` as one line.
 
 Never stat the mountpoint from the process that serves it: the kernel would wait for an
 answer only this process can give. The daemon's parent does the final check instead.
@@ -570,8 +570,9 @@ def _sd_notify(message: str) -> None:
 def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> int:
     """Start ``objfs mount ... --foreground`` detached; return once it serves or failed.
 
-    The warnings the daemon logs until then are printed on stderr as they come (its own
-    stderr goes nowhere); so is its error, whose exit code is returned."""
+    Once it serves, the warnings the daemon logged until then are printed on stderr (its
+    own stderr goes nowhere); if it failed, its error alone, in one line (the warnings are in
+    its log), and its exit code is returned."""
     read_fd, write_fd = os.pipe()
     cmd = [sys.executable, "-m", "objfs", *argv, "--foreground", "--daemon-ready-fd", str(write_fd)]
     try:
@@ -589,15 +590,16 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
     deadline = time.monotonic() + _READY_TIMEOUT_S
     buf = b""
     line = ""
+    warnings: list[str] = []
     try:
         while True:
-            # WARNING lines (see _StartupWarnings) until READY or ERROR: printed as they come.
+            # WARNING lines (see _StartupWarnings) until READY or ERROR.
             head, newline, rest = buf.partition(b"\n")
             if newline:
                 buf = rest
                 line = head.decode("utf-8", "replace").strip()
                 if line.startswith("WARNING "):
-                    print(f"objfs: warning: {line.removeprefix('WARNING ')}", file=sys.stderr)
+                    warnings.append(line.removeprefix("WARNING "))
                     continue
                 break
             remaining = deadline - time.monotonic()
@@ -623,6 +625,8 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
         if mount_entry(mountpoint) is None:
             raise MountFailedError(f"objfs reported ready but {mountpoint} is not mounted")
         os.stat(mountpoint)
+        for warning in warnings:
+            print(f"objfs: warning: {warning}", file=sys.stderr)
         return 0
     if line.startswith("ERROR "):
         _, code, message = line.split(" ", 2)
