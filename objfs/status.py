@@ -6,18 +6,22 @@ volume offered to it.
 
 It reads the status file the daemon rewrites every second (see :mod:`objfs.metrics`) and the
 kernel's mount table; it never touches the mount itself, so it answers while the mount hangs.
+It trusts only status files written by the user that mounted (or root) in a folder no other
+user may write; another one is skipped with a warning.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import stat
+import sys
 import time
 from typing import Any
 
 from objfs.errors import DaemonNotAnsweringError, NotMountedError
 from objfs.metrics import STATUS_INTERVAL_S, find_status_files, pid_gone
-from objfs.mountinfo import mount_entry
+from objfs.mountinfo import _mountinfo_record, mount_entry
 
 #: A status file older than this means the daemon no longer runs its loop.
 DEFAULT_MAX_AGE_S = 10.0
@@ -30,9 +34,63 @@ def _resolve(path: str) -> str:
     return os.path.join(os.path.realpath(os.path.dirname(absolute)), os.path.basename(absolute))
 
 
+class _Untrusted(Exception):
+    """A status file that someone other than the mount's owner could have written."""
+
+
+def _trusted_owners(mountpoint: str) -> set[int]:
+    """Who may have written the status file of the mount at ``mountpoint``: the user that
+    mounted it (the FUSE mount's ``user_id``, the daemon's uid) and root; this user and root
+    when the mount table does not say."""
+    record = _mountinfo_record(mountpoint)
+    options = record[1][2].split(",") if record is not None and len(record[1]) > 2 else []
+    for option in options:
+        name, _, value = option.partition("=")
+        if name == "user_id" and value.isdigit():
+            return {int(value), 0}
+    return {os.geteuid(), 0}
+
+
+def _owner_text(owners: set[int]) -> str:
+    return " or ".join(f"uid {uid}" for uid in sorted(owners, reverse=True))
+
+
+def _read_trusted(file: str, owners: set[int]) -> Any:
+    """The JSON of the status file ``file``; raises _Untrusted (its reason) unless the file is
+    a regular file that one of ``owners`` owns and only its owner may write, in a folder
+    of one of ``owners`` that only its owner may write. OSError, ValueError: unreadable."""
+    folder = os.stat(os.path.dirname(file))
+    if folder.st_uid not in owners:
+        raise _Untrusted(
+            f"its folder belongs to uid {folder.st_uid}, not to the mount's owner "
+            f"({_owner_text(owners)}): set OBJFS_RUNTIME_DIR to a private folder"
+        )
+    if folder.st_mode & 0o022:
+        raise _Untrusted(
+            "its folder is writable by other users: make it private (chmod go-w) or set "
+            "OBJFS_RUNTIME_DIR to a private folder"
+        )
+    fd = os.open(file, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)  # ELOOP for a symlink
+    with open(fd, encoding="utf-8") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise _Untrusted("not a regular file")
+        if st.st_uid not in owners:
+            raise _Untrusted(
+                f"owned by uid {st.st_uid}, not by the mount's owner ({_owner_text(owners)})"
+            )
+        if st.st_mode & 0o022:
+            raise _Untrusted("writable by other users (a daemon writes it with mode 0644)")
+        return json.load(f)
+
+
 def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str, Any]:
     """The live figures of the mount at ``path``; raises NotMountedError (15) if nothing is
-    mounted there, DaemonNotAnsweringError (18) if no live objfs daemon reports on it."""
+    mounted there, DaemonNotAnsweringError (18) if no live objfs daemon reports on it.
+
+    Only status files the mount's owner (or root) wrote, in a folder no other user may
+    write, are trusted (see :func:`_read_trusted`); any other one is skipped with a warning
+    on stderr: another user's file could report a hung or dead daemon as live."""
     mountpoint = _resolve(path)
     entry = mount_entry(mountpoint)
     if entry is None or not entry[0].startswith("fuse"):
@@ -46,11 +104,14 @@ def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str,
         raise NotMountedError(f"{path} is not mounted")
     if entry[0] != "fuse.objfs":
         raise NotMountedError(f"{path} is not an objfs mount (it is {entry[0]})")
+    owners = _trusted_owners(mountpoint)
     newest: dict[str, Any] | None = None
     for file in find_status_files(mountpoint):
         try:
-            with open(file, encoding="utf-8") as f:
-                data = json.load(f)
+            data = _read_trusted(file, owners)
+        except _Untrusted as exc:
+            print(f"objfs: warning: ignoring status file {file}: {exc}", file=sys.stderr)
+            continue
         except (OSError, ValueError):
             continue
         if not isinstance(data, dict) or data.get("mountpoint") != mountpoint:

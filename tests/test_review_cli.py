@@ -13,10 +13,12 @@
 from __future__ import annotations
 
 import base64
+import json
 import logging
 import os
 import resource
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,7 @@ import pytest
 from objfs.config import available_memory_bytes
 from objfs.credentials import CredentialWatch
 from objfs.demo import LocalServer
+from objfs.metrics import status_file_name
 from objfs.mountinfo import mount_entry
 from tests.conftest import run_objfs
 from tests.helpers.known_secrets import remember
@@ -192,3 +195,50 @@ def test_mount_prints_the_daemons_start_up_warnings(
             done = run_objfs("unmount", str(mnt))
             assert done.returncode == 0, done.stderr
     assert mount_entry(str(mnt)) is None
+
+
+# -- item 14: status files that another user could have written ---------------------------------
+
+
+def test_status_trusts_only_files_the_mounts_owner_wrote_in_a_private_folder(
+    mount_s3: Any, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    s3.put_object(Bucket=bucket, Key="a", Body=b"a")
+    mounted = mount_s3(f"s3://{bucket}", env={"OBJFS_RUNTIME_DIR": str(tmp_path / "run")})
+    mountpoint = os.path.realpath(mounted.path)
+    # A file as another local user could plant it in a shared folder: a live pid (1) and a
+    # time in the future, so a probe would pass for a daemon that hangs.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    planted = shared / status_file_name(mountpoint)
+    data = {"mountpoint": mountpoint, "pid": 1, "updated_at": time.time() + 3600}
+    planted.write_text(json.dumps(data))
+    env = {**os.environ, "OBJFS_RUNTIME_DIR": str(shared)}
+
+    def probe(folder_mode: int, file_mode: int, owner: int) -> subprocess.CompletedProcess[str]:
+        shared.chmod(folder_mode)
+        planted.chmod(file_mode)
+        os.chown(planted, owner, owner)
+        return run_objfs("status", "--probe", str(mounted.path), env=env)
+
+    assert os.geteuid() == 0, "the test plants files of another uid"
+    # As root wrote it, in a private folder: trusted (what the planted files imitate).
+    res = probe(0o700, 0o644, 0)
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    for folder_mode, file_mode, owner, reason in [
+        (0o700, 0o644, 12345, "owned by uid 12345, not by the mount's owner (uid 0)"),
+        (0o700, 0o666, 0, "writable by other users"),
+        (0o777, 0o644, 0, "its folder is writable by other users"),
+    ]:
+        res = probe(folder_mode, file_mode, owner)
+        assert res.returncode == 18, (reason, res.stderr)
+        warning, error = res.stderr.splitlines()
+        assert warning.startswith(f"objfs: warning: ignoring status file {planted}: {reason}")
+        assert error.startswith("objfs: error: "), error
+    shared.chmod(0o700)
+    os.chown(shared, 12345, 12345)
+    res = probe(0o700, 0o644, 0)
+    assert res.returncode == 18, res.stderr
+    assert "its folder belongs to uid 12345" in res.stderr
+    os.chown(shared, 0, 0)
