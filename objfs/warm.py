@@ -91,7 +91,9 @@ def _on_objfs_mount(path: str) -> bool:
 
 
 def collect(paths: Iterable[str]) -> list[tuple[str, int]]:
-    """Every regular file under ``paths`` with its size; raises UsageError for a bad path."""
+    """Every regular file under ``paths`` with its size; raises UsageError for a bad path.
+    A file listed in a directory but gone (or failing) when stat'ed gets size 0: reading it
+    then fails, and :func:`warm` lists it among the files it could not read."""
     files: list[tuple[str, int]] = []
     for path in paths:
         if not _on_objfs_mount(path):
@@ -104,7 +106,11 @@ def collect(paths: Iterable[str]) -> list[tuple[str, int]]:
             for dirpath, _, filenames in os.walk(path):
                 for name in sorted(filenames):
                     full = os.path.join(dirpath, name)
-                    files.append((full, os.stat(full).st_size))
+                    try:
+                        size = os.stat(full).st_size
+                    except OSError:
+                        size = 0  # removed (or failing) since listed: its read says why
+                    files.append((full, size))
         else:
             files.append((path, st.st_size))
     return files

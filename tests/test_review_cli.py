@@ -242,3 +242,35 @@ def test_status_trusts_only_files_the_mounts_owner_wrote_in_a_private_folder(
     assert res.returncode == 18, res.stderr
     assert "its folder belongs to uid 12345" in res.stderr
     os.chown(shared, 0, 0)
+
+
+# -- item 15: a file removed while objfs warm walks its directory --------------------------------
+
+
+def test_warm_lists_a_file_removed_mid_walk_as_unread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    from objfs import cli, warm
+
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    (tree / "kept").write_bytes(b"k" * 1000)
+    (tree / "gone").write_bytes(b"g")
+    real_walk = os.walk
+
+    def walk(top: str, *args: Any, **kwargs: Any) -> Any:
+        # The directory lists "gone"; it is removed before the walk stats it.
+        for dirpath, dirnames, filenames in real_walk(top, *args, **kwargs):
+            if "gone" in filenames:
+                os.unlink(os.path.join(dirpath, "gone"))
+            yield dirpath, dirnames, filenames
+
+    monkeypatch.setattr(warm, "_on_objfs_mount", lambda path: True)
+    monkeypatch.setattr(warm.os, "walk", walk)
+    code = cli.main(["warm", str(tree)])
+    err = capfd.readouterr().err
+    assert "internal error" not in err
+    assert code == 17, err
+    assert f"objfs: could not read {tree}/gone: No such file or directory\n" in err
+    assert "warmed 1 files, 1000 B" in err
+    assert err.endswith("objfs: error: 1 of 2 files could not be read (listed above)\n")
