@@ -52,10 +52,11 @@ foreign file, or a SHA-256 collision) is removed with the data file.
 
 Index and eviction: one scan at start builds an in-memory index (version -> allocated bytes,
 ``st_blocks * 512``, as the files are sparse; last use). Writes and reads keep it current with
-no directory scans. Eviction removes whole versions, least recently used first, once the total
-passes ``size_limit_bytes`` or free space falls under ``min_free_bytes`` (checked with statvfs
-at most once per 64 MiB written or per second), down to 90% of the cap (110% of the floor).
-Whole versions rather than hole punching: a loader reads a file whole, so its blocks age
+no directory scans. Eviction removes whole versions, least recently used first, when a write
+would not fit under ``size_limit_bytes`` (see the ledger below) or free space falls under
+``min_free_bytes`` (checked with statvfs at most once per 64 MiB written or per second), down
+to 90% of the cap with the write counted (110% of the floor). Whole versions rather than hole
+punching: a loader reads a file whole, so its blocks age
 together; one unlink frees a version at once on any file system; and per-block recency would
 cost memory and could not survive a restart (the data file's mtime carries a version's, touched
 on a hit at most once a minute). A version that alone would fill 90% of the cap is not cached
@@ -69,12 +70,30 @@ there is no scan per write). A version another process removed is noticed within
 (``fstat`` link count of the open files) and opened afresh; until then reads of the removed
 files still return that version's bytes, and writes to them are merely lost.
 
+The cap holds for the directory, not per process, through a ledger in ``.lock``'s first 16
+bytes, read and written under the same exclusive flock: the allocated bytes *counted* (set
+from the scan at start and after each eviction, plus what each write allocated) and the bytes
+*reserved* by writes in flight. A write first reserves its estimate (``_estimate``: its data
+in whole pages, the table pages its entries fall in, a new table's header, and a page for
+the file system's own), evicting if counted + reserved + estimate would pass the cap, and is
+not made if they still would; once written, it adds what it allocated (``fstat`` before and
+after) and drops its reservation. Every write holds ``.writers`` shared from its reservation
+to its settling: an eviction that can lock ``.writers`` exclusively at once knows no write is
+in flight, and drops what is still reserved (left by a process that died mid-write; until
+then that reservation covers what the dead process wrote). Invariant: **the versions' files
+in the directory allocate at most ``size_limit_bytes``**, over it only by what writes in
+flight allocate beyond their estimates (file-system metadata past the page allowed for it).
+The count may run high (a block written by two processes at once, a table removed as
+corrupt, a version another process removed while this one wrote to it), which costs an early
+scan, never a byte over the cap.
+
 Descriptors: the files of the 64 most recently used versions stay open, so a block costs a
 ``pread``/``pwrite`` of the table and a ``preadv``/``pwritev`` of the data and no open or
-close; a run of consecutive blocks is one ``pwritev`` and one table ``pwrite``. O_DIRECT I/O
-goes straight from or into the caller's buffer when it is a page-aligned, writable buffer of
-whole pages (the block cache's pooled mmaps), else through a small pool of page-aligned
-buffers (anonymous mmaps) and one copy. Data returned as ``bytes`` never aliases a pooled
+close; a run of consecutive blocks is one ``pwritev`` and one table ``pwrite`` (and a write
+call two ledger updates, through ``.lock`` and ``.writers`` kept open). O_DIRECT I/O goes
+straight from or into the caller's buffer when it is a page-aligned, writable buffer of whole
+pages (the block cache's pooled mmaps), else through a small pool of page-aligned buffers
+(anonymous mmaps) and one copy. Data returned as ``bytes`` never aliases a pooled
 buffer. Where O_DIRECT is refused (EINVAL at open or at the I/O: tmpfs, some network file
 systems) the tier switches to buffered I/O for good.
 
@@ -94,7 +113,8 @@ Thread safety: every method may run in any thread at once. The index, the table 
 files, the buffer pool and the counters are guarded by one lock, never held during I/O. An
 open file's descriptors are closed only when no thread is using them (a use count), so a
 descriptor number is never reused under a thread's feet. Eviction runs in one thread at a
-time (others skip it).
+time (others skip it). Threads take turns on the ledger's descriptor (``_ledger_mutex``), and
+the writes in flight of all threads hold ``.writers`` through one descriptor (a count).
 """
 
 from __future__ import annotations
@@ -113,6 +133,7 @@ import stat
 import struct
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
@@ -169,6 +190,12 @@ _STALE_TMP_S = 600.0
 # Errors that mean the disk cannot take the cache at all: turn the tier off at once.
 _FATAL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
 _DIGEST_LENGTH = 64  # hex digits of a SHA-256
+# The size ledger shared by the processes of one directory, the first bytes of DIR/v4/.lock:
+# the allocated bytes counted (as of the last scan, plus every write since) and the bytes
+# reserved by writes in flight. Read and written only under an exclusive flock of .lock.
+_LEDGER = struct.Struct("<qq")
+_LOCK_NAME = ".lock"  # flock: eviction and the ledger
+_WRITERS_NAME = ".writers"  # flock: shared by each write in flight (see _claim_room)
 _ST_BLOCK = 512  # the unit of st_blocks (POSIX): allocated bytes of a sparse file
 
 
@@ -251,6 +278,7 @@ class DiskCache:
         self._space_checked_at = -_SPACE_CHECK_S  # monotonic
         self._space_low = False  # the last statvfs found less than min_free_bytes
         self.skipped_low_space = 0  # blocks not written while free space was under the floor
+        self.skipped_full = 0  # blocks not written: no room under the cap, even after evicting
         self.hits = 0
         self.misses = 0
         self.writes = 0
@@ -258,7 +286,18 @@ class DiskCache:
         self.errors = 0
         self.evictions = 0  # versions removed to make room
         self._prepare(os.path.abspath(directory))
-        self._scan()
+        # The ledger's and the writers' locks for writes, open for the cache's lifetime (no
+        # open or close per write): threads take turns on the ledger (_ledger_mutex); the
+        # first write in flight takes .writers shared and the last lets go (_writing_now).
+        self._lock_fd = os.open(os.path.join(self.root, _LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
+        self._writers_fd = os.open(os.path.join(self.root, _WRITERS_NAME), os.O_RDWR | os.O_CLOEXEC)
+        weakref.finalize(self, _close_fds, self._lock_fd, self._writers_fd)
+        self._ledger_mutex = threading.Lock()
+        self._writers_mutex = threading.Lock()
+        self._writing_now = 0
+        with self._exclusive() as lock_fd:
+            self._scan()
+            self._settle_ledger(lock_fd)
 
     # -- setup -----------------------------------------------------------------------------
 
@@ -286,9 +325,11 @@ class DiskCache:
             if os.path.isdir(old) and not os.path.islink(old):
                 log.info("disk cache: removing %s (an older cache format)", old)
                 shutil.rmtree(old, ignore_errors=True)
-        lock_path = os.path.join(self.root, ".lock")
-        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
-        os.close(fd)
+        for name in (_LOCK_NAME, _WRITERS_NAME):
+            fd = os.open(
+                os.path.join(self.root, name), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600
+            )
+            os.close(fd)
 
     @staticmethod
     def _check_private(path: str, option_value: str) -> None:
@@ -431,8 +472,13 @@ class DiskCache:
         self, key: str, etag: str, first_index: int, blocks: Sequence[BlockData]
     ) -> int:
         """Store blocks ``first_index``, ``first_index + 1``, ... of version (key, etag);
-        returns how many were stored. Every block but an object's last is block_size long.
-        Runs of up to 8 blocks are one pwritev of the data and one pwrite of their entries."""
+        returns how many were stored, counted from the first (fewer than given: the rest are
+        not on disk). Every block but an object's last is block_size long. Runs of up to 8
+        blocks are one pwritev of the data and one pwrite of their entries.
+
+        Nothing is written (0) when the version would pass 90% of the cap, when free space
+        is under the floor, or when the cap has no room for the write even after evicting
+        (the room is reserved in the ledger first: see the module docstring)."""
         if not self.enabled or not blocks:
             return 0
         views = [_byte_view(b) for b in blocks]
@@ -445,30 +491,51 @@ class DiskCache:
             grown = (entry.allocated if entry is not None else 0) + nbytes
         if grown > self.size_limit_bytes * (1 - _EVICT_SLACK):
             log.debug("disk cache: %s is too big for the cache; not caching it", key)
+            with self._lock:
+                self.skipped_full += len(views)
             return 0
         if not self._room_for(nbytes):
             with self._lock:
                 self.skipped_low_space += len(views)
             return 0
+        need = self._estimate(v, first_index, views, new=entry is None)
+        try:
+            room = self._claim_room(need)
+        except OSError as exc:
+            self._failed("reserving room in", self.root, exc)
+            return 0
+        if not room:
+            log.debug("disk cache: no room for %d bytes of %s under the cap", need, key)
+            with self._lock:
+                self.skipped_full += len(views)
+            return 0
         stored = 0
+        landed = need  # what the write allocated: all it reserved, unless measured
         try:
             with self._use(v, create=True) as files:
                 if files is not None:  # None: its table kept turning out foreign
-                    spans = [(first_index + n, len(view)) for n, view in enumerate(views)]
-                    for start, stop in _runs(spans, self.block_size):
-                        run = views[start:stop]
-                        stored += self._write_chunk(v, files, first_index + start, run)
-                    self._account(v.digest, files, wrote=True)
+                    before = _allocated(files)
+                    try:
+                        spans = [(first_index + n, len(view)) for n, view in enumerate(views)]
+                        for start, stop in _runs(spans, self.block_size):
+                            run = views[start:stop]
+                            stored += self._write_chunk(v, files, first_index + start, run)
+                    finally:
+                        after = _allocated(files)
+                        landed = after - before
+                        self._account(v.digest, files, allocated=after)
         except OSError as exc:
             self._failed("writing", v.data_path, exc)
         else:
             with self._lock:
                 self._error_streak = 0
+        finally:
+            try:
+                self._settle_room(need, landed)
+            except OSError as exc:
+                self._failed("settling the size ledger in", self.root, exc)
         with self._lock:
             self.writes += stored
-            over = self._total > self.size_limit_bytes
-        if over:
-            self.evict()
         return stored
 
     def close(self) -> None:
@@ -495,6 +562,7 @@ class DiskCache:
                 "disk_evictions": self.evictions,
                 "disk_versions": len(self._index),
                 "disk_blocks_skipped_low_space": self.skipped_low_space,
+                "disk_blocks_skipped_full": self.skipped_full,
             }
 
     # -- reading ---------------------------------------------------------------------------
@@ -521,7 +589,7 @@ class DiskCache:
                     for start, stop in _runs(wanted, self.block_size):
                         hits += self._read_run(v, files, wanted[start:stop], outs, deliver)
                     if hits:
-                        self._account(v.digest, files, wrote=False)
+                        self._account(v.digest, files, allocated=None)
         except OSError as exc:
             self._failed("reading", v.data_path, exc)
         else:
@@ -925,13 +993,9 @@ class DiskCache:
             self._drop_files(digest, files)
         return entry.allocated if entry is not None else 0
 
-    def _account(self, digest: str, files: _Files, *, wrote: bool) -> None:
-        """Note a use of a version: its recency and, after a write, its size."""
-        allocated = -1
-        if wrote:
-            allocated = (
-                os.fstat(files.data_fd).st_blocks + os.fstat(files.index_fd).st_blocks
-            ) * _ST_BLOCK
+    def _account(self, digest: str, files: _Files, *, allocated: int | None) -> None:
+        """Note a use of a version: its recency and, after a write, its size
+        (``allocated``: its files' allocated bytes after the write; None for a read)."""
         now = time.time()
         touch = False
         with self._lock:
@@ -940,7 +1004,7 @@ class DiskCache:
                 return
             self._index.move_to_end(digest)
             entry.used_at = now
-            if wrote:
+            if allocated is not None:
                 self._total += allocated - entry.allocated
                 entry.allocated = allocated
                 entry.touched_at = now  # a write sets the mtime
@@ -1035,36 +1099,38 @@ class DiskCache:
             self.min_free_bytes / (1 << 30),
         )
 
-    def evict(self) -> None:
-        """Delete least recently used versions until 10% under the size cap (when over it)
-        and 10% over the free-space floor (when under it)."""
+    def evict(self, need: int = 0) -> None:
+        """Delete least recently used versions (of every process sharing the directory) so
+        that the directory's bytes, the writes in flight and ``need`` more bytes fit 10%
+        under the size cap (when they do not fit under it), and free space is 10% over the
+        floor (when under it)."""
         if not self._evicting.acquire(blocking=False):
             return  # another thread is at it
         try:
-            lock_fd = os.open(os.path.join(self.root, ".lock"), os.O_RDWR | os.O_CLOEXEC)
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+            with self._exclusive() as lock_fd:
                 self._scan()  # include what other processes wrote
-                self._evict_locked()
-            finally:
-                os.close(lock_fd)  # releases the flock
+                self._evict_locked(lock_fd, need)
         except OSError as exc:
             self._failed("evicting in", self.root, exc)
         finally:
             self._evicting.release()
 
-    def _evict_locked(self) -> None:
+    def _evict_locked(self, lock_fd: int, need: int) -> None:
         cap = self.size_limit_bytes
         floor = self.min_free_bytes
         free = self._free_bytes() if floor > 0 else None
+        reserved = self._ledger_reserved(lock_fd)
         with self._lock:
-            cap_goal = cap - int(cap * _EVICT_SLACK) if self._total > cap else cap
+            wanted = self._total + reserved + need
+        cap_goal = cap - int(cap * _EVICT_SLACK) if wanted > cap else cap
         floor_goal = (
             floor + int(floor * _EVICT_SLACK) if free is not None and free < floor else floor
         )
         while True:
             with self._lock:
-                over = self._total > cap_goal or (free is not None and free < floor_goal)
+                over = self._total + reserved + need > cap_goal or (
+                    free is not None and free < floor_goal
+                )
                 if not over or not self._index:
                     break
                 digest = next(iter(self._index))
@@ -1073,8 +1139,114 @@ class DiskCache:
                 self.evictions += 1
             if free is not None:
                 free += freed
+        self._settle_ledger(lock_fd, reserved)
         if free is not None:
             self._space_low = self._free_bytes() < floor
+
+    # -- the size ledger, shared by the processes of the directory ----------------------------
+
+    @contextlib.contextmanager
+    def _exclusive(self) -> Iterator[int]:
+        """``.lock`` opened afresh and exclusively flocked, for a scan (and an eviction): no
+        other process or thread evicts or uses the ledger meanwhile, which the holder reads
+        and writes through the descriptor yielded."""
+        fd = os.open(os.path.join(self.root, _LOCK_NAME), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield fd
+        finally:
+            os.close(fd)  # releases the flock
+
+    @contextlib.contextmanager
+    def _ledger(self) -> Iterator[int]:
+        """The ledger, for a write's reservation or its settling: the same exclusive flock
+        as ``_exclusive`` (so it waits for an eviction), on the descriptor kept open."""
+        with self._ledger_mutex:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+            try:
+                yield self._lock_fd
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _ledger_reserved(self, lock_fd: int) -> int:
+        """(Ledger locked, the directory just scanned) The bytes reserved by writes in flight;
+        0 when no process has a write in flight (what was reserved then had been left by
+        a process that died mid-write)."""
+        _, reserved = _read_ledger(lock_fd)
+        fd = os.open(os.path.join(self.root, _WRITERS_NAME), os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return reserved  # a write in flight holds .writers shared
+        finally:
+            os.close(fd)
+        return 0
+
+    def _settle_ledger(self, lock_fd: int, reserved: int | None = None) -> None:
+        """(Ledger locked, the directory just scanned) Count what the scan found, and the
+        bytes ``reserved`` (None: as the ledger has them, or 0 with no write in flight)."""
+        if reserved is None:
+            reserved = self._ledger_reserved(lock_fd)
+        with self._lock:
+            total = self._total
+        _write_ledger(lock_fd, total, reserved)
+
+    def _estimate(
+        self, v: _Version, first_index: int, views: Sequence[memoryview], *, new: bool
+    ) -> int:
+        """What writing ``views`` at block ``first_index`` may allocate, at most: the data in
+        whole pages, the table pages its entries fall in (and the header's, for a new
+        table), and a page for the file system's own (an extent block)."""
+        data = sum(_round_up(len(view), _PAGE) for view in views)
+        first = v.table_offset + first_index * _ENTRY.size
+        last = first + len(views) * _ENTRY.size - 1
+        table = (last // _PAGE - first // _PAGE + 1) * _PAGE
+        return data + table + (v.table_offset if new else 0) + _PAGE
+
+    def _claim_room(self, need: int) -> bool:
+        """Reserve ``need`` bytes in the ledger if they fit under the cap with what is
+        counted and reserved there, else evict and try once more. True: reserved, and this
+        write holds ``.writers`` shared until ``_settle_room``; False: no room even after
+        evicting."""
+        for attempt in range(2):
+            if attempt:
+                self.evict(need)
+            # Shared before reserving: an eviction that finds .writers unlocked knows no
+            # reservation is live (_ledger_reserved).
+            self._enter_writing()
+            try:
+                with self._ledger() as lock_fd:
+                    counted, reserved = _read_ledger(lock_fd)
+                    if counted + reserved + need <= self.size_limit_bytes:
+                        _write_ledger(lock_fd, counted, reserved + need)
+                        return True
+            except BaseException:
+                self._leave_writing()
+                raise
+            self._leave_writing()  # not while evicting: the eviction may then drop leaks
+        return False
+
+    def _settle_room(self, need: int, landed: int) -> None:
+        """A write that reserved ``need`` bytes is done, and allocated ``landed``: count
+        those, drop the reservation, and leave ``.writers``."""
+        try:
+            with self._ledger() as lock_fd:
+                counted, reserved = _read_ledger(lock_fd)
+                _write_ledger(lock_fd, counted + landed, max(0, reserved - need))
+        finally:
+            self._leave_writing()
+
+    def _enter_writing(self) -> None:
+        with self._writers_mutex:
+            if not self._writing_now:
+                fcntl.flock(self._writers_fd, fcntl.LOCK_SH)
+            self._writing_now += 1
+
+    def _leave_writing(self) -> None:
+        with self._writers_mutex:
+            self._writing_now -= 1
+            if not self._writing_now:
+                fcntl.flock(self._writers_fd, fcntl.LOCK_UN)
 
 
 def cached_blocks(directory: str) -> int:
@@ -1103,6 +1275,30 @@ def cached_blocks(directory: str) -> int:
 
 def _monotonic() -> float:
     return time.monotonic()  # a function of its own, so tests can move the clock
+
+
+def _read_ledger(lock_fd: int) -> tuple[int, int]:
+    """(counted, reserved) from the ledger; zeros before the first process wrote it."""
+    raw = os.pread(lock_fd, _LEDGER.size, 0)
+    if len(raw) < _LEDGER.size:
+        return 0, 0
+    counted, reserved = _LEDGER.unpack(raw)
+    return counted, reserved
+
+
+def _write_ledger(lock_fd: int, counted: int, reserved: int) -> None:
+    os.pwrite(lock_fd, _LEDGER.pack(counted, reserved), 0)
+
+
+def _close_fds(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+def _allocated(files: _Files) -> int:
+    """Allocated bytes of a version's two files (they are sparse: not their length)."""
+    return (os.fstat(files.data_fd).st_blocks + os.fstat(files.index_fd).st_blocks) * _ST_BLOCK
 
 
 def _entry_check(index: int, length: int, data_hash: int) -> int:

@@ -8,7 +8,9 @@ page, as the format needs) so the tests write little.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import glob
 import logging
 import mmap
 import os
@@ -109,11 +111,12 @@ def test_a_run_is_one_pwritev_and_one_table_write(
     cache.write_blocks("k", "e", 100, blobs[:1])  # creates the version's files
     calls = count_calls(monkeypatch, "pwritev", "pwrite", "open", "close", "statvfs", "scandir")
     assert cache.write_blocks("k", "e", 1, blobs[1:9]) == 8
-    assert calls == {"pwritev": 1, "pwrite": 1, "open": 0, "close": 0, "statvfs": 0, "scandir": 0}
+    # One table write, and two of the 16-byte size ledger (the reservation, then what landed).
+    assert calls == {"pwritev": 1, "pwrite": 3, "open": 0, "close": 0, "statvfs": 0, "scandir": 0}
     # 12 more, the last short: runs of at most 8.
     assert cache.write_blocks("k", "e", 9, blobs[9:]) == 12
     assert calls["pwritev"] == 1 + 2
-    assert calls["pwrite"] == 1 + 2
+    assert calls["pwrite"] == 3 + 2 + 2
     reads = count_calls(monkeypatch, "preadv", "pread")
     got = cache.read_blocks("k", "e", list(range(1, 21)), [len(b) for b in blobs[1:]])
     assert got == {i: blobs[i] for i in range(1, 21)}
@@ -911,6 +914,86 @@ def test_two_processes_evicting_each_others_versions_serve_no_wrong_bytes(
     assert [wrong for wrong, _, _ in results] == [0, 0]
     assert all(hits > 0 for _, hits, _ in results)
     assert sum(evictions for _, _, evictions in results) > 0
+
+
+CAPPED_SHARER = textwrap.dedent(
+    """
+    import glob, os, random, sys, time
+    from objfs.disk_cache import DiskCache
+
+    BS = 64 * 1024
+    directory, name, cap, go = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+
+    def allocated():  # as version_bytes below
+        total = 0
+        for path in glob.glob(os.path.join(directory, "v4", "??", "*")):
+            try:
+                total += os.lstat(path).st_blocks * 512
+            except FileNotFoundError:
+                pass
+        return total
+
+    cache = DiskCache(directory, namespace="memory://", block_size=BS,
+                      size_limit_bytes=cap, min_free_bytes=0)
+    while not os.path.exists(go):  # both start writing at once
+        time.sleep(0.001)
+    peak = 0
+    for i in range(40):  # versions of its own, 4 blocks each, in runs of 2
+        for first in (0, 2):
+            blocks = [random.Random(f"{name}{i}/{n}").randbytes(BS) for n in (first, first + 1)]
+            cache.write_blocks(f"{name}{i}", "e", first, blocks)
+            peak = max(peak, allocated())
+    print(peak, cache.statistics()["disk_evictions"])
+    """
+)
+
+
+def version_bytes(directory: str | Path) -> int:
+    """Allocated bytes of the versions' files in a cache directory, as ``du`` counts them
+    (a table's temporary name, a hard link to it, is not counted twice)."""
+    total = 0
+    for path in glob.glob(os.path.join(directory, "v4", "??", "*")):
+        with contextlib.suppress(FileNotFoundError):  # removed meanwhile
+            total += os.lstat(path).st_blocks * 512
+    return total
+
+
+def test_processes_sharing_a_directory_keep_it_under_the_cap_together(tmp_path: Path) -> None:
+    """Two processes write versions of their own into one directory with one cap: the
+    directory's allocated bytes (both files of every version, as ``du`` counts them) never
+    pass the cap, wherever the bytes came from."""
+    directory = tmp_path / "c"
+    make_cache(directory)
+    cap = 40 * BS  # about 9 versions of 4 blocks; each process writes 40
+    go = tmp_path / "go"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CAPPED_SHARER, str(directory), name, str(cap), str(go)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for name in ("a", "b")
+    ]
+    go.touch()
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err
+        results.append([int(n) for n in out.split()])
+    peaks = [peak for peak, _ in results]
+    assert all(evictions > 0 for _, evictions in results), results
+    assert max(peaks) <= cap, f"peaks {peaks} over the cap of {cap}"
+    assert version_bytes(directory) <= cap
+    # And the cache still serves: whole versions (the most recent), and only right bytes.
+    reader = make_cache(directory, size_limit_bytes=cap)
+    whole = 0
+    for key in [f"{name}{i}" for name in ("a", "b") for i in range(40)]:
+        got = reader.read_blocks(key, "e", [0, 1, 2, 3], [BS] * 4)
+        assert got == {n: random.Random(f"{key}/{n}").randbytes(BS) for n in got}
+        whole += len(got) == 4
+    assert whole >= 4
+    assert reader.corrupt == 0
 
 
 # -- setup -----------------------------------------------------------------------------------
