@@ -17,8 +17,14 @@ import json
 import logging
 import os
 import resource
+import select
+import shutil
+import socket
+import ssl
 import subprocess
+import threading
 import time
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +35,7 @@ from objfs.credentials import CredentialWatch
 from objfs.demo import LocalServer
 from objfs.metrics import status_file_name
 from objfs.mountinfo import mount_entry
-from tests.conftest import run_objfs
+from tests.conftest import mount_command, run_mount, run_objfs
 from tests.helpers.known_secrets import remember
 
 
@@ -274,3 +280,159 @@ def test_warm_lists_a_file_removed_mid_walk_as_unread(
     assert f"objfs: could not read {tree}/gone: No such file or directory\n" in err
     assert "warmed 1 files, 1000 B" in err
     assert err.endswith("objfs: error: 1 of 2 files could not be read (listed above)\n")
+
+
+# -- item 13: one CA choice for listings and data GETs -------------------------------------------
+
+
+def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
+    """A certificate for 127.0.0.1 and its key (PEM files): a private CA of its own."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command")
+    cert, key = tmp_path / "ca.pem", tmp_path / "ca.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+         "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+class TlsFront:
+    """HTTPS on a loopback port in front of a plain-HTTP server (moto, Azurite): each
+    connection's TLS ends here and its bytes go on to the server. One thread per connection
+    does both directions, so no TLS object is used by two threads."""
+
+    def __init__(self, cert: Path, key: Path, target_url: str) -> None:
+        self._context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self._context.load_cert_chain(cert, key)
+        parts = urllib.parse.urlsplit(target_url)
+        self._target = ("127.0.0.1", parts.port or 80)
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        port = self._listener.getsockname()[1]
+        self.url = urllib.parse.urlunsplit(("https", f"127.0.0.1:{port}", parts.path, "", ""))
+        self.handshakes_refused = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._relay, args=(conn,), daemon=True).start()
+
+    def _relay(self, conn: socket.socket) -> None:
+        try:
+            tls = self._context.wrap_socket(conn, server_side=True)
+        except OSError:  # the client did not trust the certificate
+            self.handshakes_refused += 1
+            conn.close()
+            return
+        with tls, socket.create_connection(self._target) as upstream:
+            while True:
+                ready = [tls] if tls.pending() else select.select([tls, upstream], [], [], 60)[0]
+                if not ready:
+                    return
+                for src in ready:
+                    try:
+                        data = src.recv(1 << 16)
+                        if not data:
+                            return
+                        (upstream if src is tls else tls).sendall(data)
+                    except OSError:
+                        return
+
+
+@pytest.fixture
+def no_ca_variables(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This environment names the system's CAs in AWS_CA_BUNDLE and friends: drop them, so
+    the tests see only the CA choice they make."""
+    for name in ("AWS_CA_BUNDLE", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "SSL_CERT_FILE"):
+        monkeypatch.delenv(name, raising=False)
+
+
+@pytest.mark.usefixtures("no_ca_variables")
+def test_s3_data_gets_trust_the_cas_botocore_trusts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CA file is chosen once, as botocore does, for its clients and the data pool."""
+    import botocore.httpsession
+
+    from objfs.backends.s3 import S3Backend
+    from objfs.config import S3Options
+    from objfs.errors import UsageError
+
+    profile_ca, env_ca, option_ca = (tmp_path / n for n in ("p.pem", "e.pem", "o.pem"))
+    for path in (profile_ca, env_ca, option_ca):
+        path.write_text("")
+    config = tmp_path / "aws-config"
+    config.write_text(f"[profile tls]\nregion = us-east-1\nca_bundle = {profile_ca}\n")
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+
+    def chosen(**options: Any) -> tuple[str, str]:
+        backend = S3Backend("b", S3Options(endpoint_url="https://127.0.0.1:1", **options))
+        return backend._data._ca_file, backend._client._endpoint.http_session._verify  # type: ignore[attr-defined,return-value]
+
+    assert chosen(profile="tls") == (str(profile_ca), str(profile_ca))
+    monkeypatch.setenv("AWS_CA_BUNDLE", str(env_ca))
+    assert chosen(profile="tls") == (str(env_ca), str(env_ca))
+    assert chosen(profile="tls", ca_bundle=str(option_ca)) == (str(option_ca), str(option_ca))
+    monkeypatch.delenv("AWS_CA_BUNDLE")
+    default = botocore.httpsession.get_cert_path(True)  # certifi's, not the system store
+    assert chosen() == (default, default)
+    config.write_text(f"[profile tls]\nca_bundle = {tmp_path / 'missing.pem'}\n")
+    with pytest.raises(UsageError, match=r"^the profile's ca_bundle: .* is not a file"):
+        chosen(profile="tls")
+
+
+@pytest.mark.usefixtures("no_ca_variables")
+def test_a_profiles_ca_bundle_serves_listings_and_reads_over_tls(
+    s3_server: LocalServer, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    data = os.urandom(3 * (1 << 20) + 5)
+    s3.put_object(Bucket=bucket, Key="m/w.bin", Body=data)
+    config = tmp_path / "aws-config"
+    config.write_text(
+        f"[profile tls]\nregion = us-east-1\nca_bundle = {cert}\n"
+        "aws_access_key_id = objfs-test\naws_secret_access_key = objfs-test-secret\n"
+    )
+    front = TlsFront(cert, key, s3_server.url)
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    cmd = mount_command(
+        f"s3://{bucket}/m", mnt, tmp_path / "objfs.log",
+        "--endpoint-url", front.url, "--profile", "tls",
+    )  # fmt: skip
+    try:
+        with run_mount(cmd, mnt, tmp_path / "objfs.out", env={"AWS_CONFIG_FILE": str(config)}):
+            assert os.listdir(mnt) == ["w.bin"]  # a listing (botocore)
+            assert (mnt / "w.bin").read_bytes() == data  # ranged GETs (rawhttp)
+    finally:
+        front.close()
+    assert front.handshakes_refused == 0
+
+
+@pytest.mark.usefixtures("no_ca_variables")
+def test_requests_ca_bundle_serves_azure_listings_and_reads_over_tls(
+    mount_az: Any, azurite: Any, azure_service: Any, container: str, tmp_path: Path
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    data = os.urandom(3 * (1 << 20) + 5)
+    azure_service.get_container_client(container).upload_blob("m/w.bin", data)
+    front = TlsFront(cert, key, azurite.account_url)
+    try:
+        mounted = mount_az(
+            f"az://{container}/m", "--account-url", front.url,
+            env={"REQUESTS_CA_BUNDLE": str(cert)},
+        )  # fmt: skip
+        assert os.listdir(mounted.path) == ["w.bin"]  # a listing (the SDK)
+        assert (mounted.path / "w.bin").read_bytes() == data  # ranged GETs (rawhttp)
+    finally:
+        front.close()
+    assert front.handshakes_refused == 0

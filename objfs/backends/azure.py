@@ -473,17 +473,29 @@ class _JitteredRetry(ExponentialRetry):
         return random.uniform(0.0, bound)  # jitter, not cryptography
 
 
-def _session(account_url: str, pool_size: int) -> requests.Session:
+def _ca_bundle() -> str:
+    """The CA certificates file that every request to the store trusts: the SDK's (through
+    requests, given it as ``connection_verify``: the SDK passes its own ``verify`` with each
+    request, which would win over the session's) and the data GETs' (rawhttp).
+    $REQUESTS_CA_BUNDLE, else $CURL_CA_BUNDLE (what requests reads from the environment),
+    else requests' own bundle (certifi's)."""
+    return (
+        os.environ.get("REQUESTS_CA_BUNDLE")
+        or os.environ.get("CURL_CA_BUNDLE")
+        or requests.utils.DEFAULT_CA_BUNDLE_PATH
+    )
+
+
+def _session(account_url: str, pool_size: int, ca_file: str) -> requests.Session:
     """A requests session for one endpoint: a pool of ``pool_size`` connections, no retries of
-    its own (the SDK's policy is the one retry layer), and the environment's proxy and CA
-    settings resolved once here instead of on every request (requests re-reads os.environ per
-    request when ``trust_env`` is on: a measurable share of a request's CPU time)."""
+    its own (the SDK's policy is the one retry layer), the environment's proxy settings
+    resolved once here instead of on every request (requests re-reads os.environ per request
+    when ``trust_env`` is on: a measurable share of a request's CPU time) and ``ca_file``
+    (see :func:`_ca_bundle`) as its CAs."""
     session = requests.Session()
     session.trust_env = False
     session.proxies = requests.utils.get_environ_proxies(account_url)  # honours NO_PROXY
-    ca_bundle = os.environ.get("REQUESTS_CA_BUNDLE") or os.environ.get("CURL_CA_BUNDLE")
-    if ca_bundle:
-        session.verify = ca_bundle
+    session.verify = ca_file  # see _ca_bundle
     adapter = HTTPAdapter(
         pool_connections=1,  # one host
         pool_maxsize=pool_size,
@@ -581,17 +593,17 @@ class AzureBackend(Backend):
         logging.getLogger("azure").setLevel(logging.WARNING)
         log.info("Azure credentials: %s", creds.kind)
         # +2: listings and HEADs run beside a full set of ranged GETs.
-        self._session = _session(self.account_url, options.max_connections + 2)
+        self._ca_file = _ca_bundle()  # the session's, the SDK client's and the data path's
+        self._session = _session(self.account_url, options.max_connections + 2, self._ca_file)
         # Data GETs go through rawhttp (bodies received straight into the cache's buffers)
         # unless a proxy from the environment is in the way, with the CA requests would use.
         self._proxied = bool(
             self._session.proxies.get("http") or self._session.proxies.get("https")
         )
-        verify = self._session.verify
         self._data = rawhttp.ConnectionPool(
             connect_timeout_s=options.connect_timeout_s,
             read_timeout_s=options.read_timeout_s,
-            ca_file=verify if isinstance(verify, str) else requests.utils.DEFAULT_CA_BUNDLE_PATH,
+            ca_file=self._ca_file,
             max_idle=options.max_connections,
         )
         self._use_credentials(creds)
@@ -675,6 +687,7 @@ class AzureBackend(Backend):
             self.account_url,
             credential=creds.credential,
             session=self._session,
+            connection_verify=self._ca_file,  # see _ca_bundle
             connection_timeout=self.options.connect_timeout_s,
             read_timeout=self.options.read_timeout_s,
             retry_policy=_JitteredRetry(retry_total=max(self.options.max_attempts - 1, 0)),

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 import botocore.credentials
 import botocore.exceptions
+import botocore.httpsession
 import botocore.loaders
 import botocore.session
 import trio
@@ -200,6 +201,26 @@ class _ReloadableResolver:
         return found
 
 
+def _ca_bundle(options: S3Options, session: botocore.session.Session) -> str:
+    """The CA certificates file that every request of a backend trusts, chosen once as
+    botocore chooses for its clients: --ca-bundle, else the session's ``ca_bundle``
+    ($AWS_CA_BUNDLE, else the profile's ``ca_bundle`` in the config file), else botocore's
+    own bundle (certifi's; not the system store, which rawhttp would use by default). Raises
+    UsageError if the file chosen is not there."""
+    if options.ca_bundle is not None:
+        return options.ca_bundle  # checked by S3Backend
+    configured = session.get_config_variable("ca_bundle")
+    if not configured:
+        return str(botocore.httpsession.get_cert_path(True))
+    if not os.path.isfile(configured):
+        where = "AWS_CA_BUNDLE" if os.environ.get("AWS_CA_BUNDLE") else "the profile's ca_bundle"
+        raise UsageError(
+            f"{where}: {configured!r} is not a file: give the PEM file of the CA that signed "
+            "the endpoint's certificate (or --ca-bundle)"
+        )
+    return str(configured)
+
+
 class S3Backend(Backend):
     def __init__(
         self,
@@ -239,6 +260,9 @@ class S3Backend(Backend):
                 "~/.aws/config (or AWS_CONFIG_FILE)"
             ) from None
         self._session = core
+        # One CA choice for every request: listings and HEADs (botocore) and data GETs
+        # (rawhttp) trust the same certificates.
+        self._ca_file = _ca_bundle(options, core)
         self._client = self._make_client(core, endpoint, options.max_attempts)
         self._check_client = self._make_client(core, endpoint, _CHECK_ATTEMPTS)
         #: The region requests are signed for.
@@ -252,12 +276,11 @@ class S3Backend(Backend):
         # shared with the backends for_bucket made, any thread (single dict operations).
         self._urls: dict[tuple[str, str], tuple[S3Client, str]] = {}
         # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
-        # the CA settings botocore would use.
-        ca_file = options.ca_bundle or os.environ.get("AWS_CA_BUNDLE") or None
+        # the CAs botocore's clients use.
         self._data = rawhttp.ConnectionPool(
             connect_timeout_s=options.connect_timeout_s,
             read_timeout_s=options.read_timeout_s,
-            ca_file=ca_file,
+            ca_file=self._ca_file,
             max_idle=options.max_connections,
         )
         if credential_watch is not None:
@@ -318,14 +341,13 @@ class S3Backend(Backend):
                 or session.get_config_variable("region")
                 or ("us-east-1" if endpoint else None)
             )
-        verify: str | None = opts.ca_bundle  # None: botocore's default (AWS_CA_BUNDLE or certifi)
         try:
             client: S3Client = session.create_client(  # type: ignore[assignment]
                 "s3",
                 endpoint_url=endpoint,
                 region_name=region,
                 config=Config(**config_kwargs),
-                verify=verify,
+                verify=self._ca_file,  # the data path's too (see _ca_bundle)
             )
         except ValueError as exc:  # botocore rejects a malformed endpoint URL this way
             raise UsageError(
