@@ -630,7 +630,9 @@ def spawn_daemon(argv: Sequence[str], mountpoint: str, log_file: str | None) -> 
         return 0
     if line.startswith("ERROR "):
         _, code, message = line.split(" ", 2)
-        print(f"objfs: error: {message}", file=sys.stderr)
+        # As the command itself prints them (objfs.cli.main).
+        kind = "" if message.startswith("internal error: ") else "error: "
+        print(f"objfs: {kind}{message}", file=sys.stderr)
         return int(code)
     status = proc.wait(timeout=30)
     raise MountFailedError(
