@@ -170,6 +170,10 @@ class InstrumentedBackend(Backend):
         with self._request("head", repr(key)):
             return await self.inner.head(key)
 
+    async def has_keys_under(self, prefix: str) -> bool:
+        with self._request("list", f"{prefix!r} (one key)"):
+            return await self.inner.has_keys_under(prefix)
+
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         with self._request("get", f"{key!r} bytes {start}-{start + length - 1}") as received:
             data = await self.inner.read_range(key, etag, start, length)

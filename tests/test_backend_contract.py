@@ -125,6 +125,9 @@ class _InAccount(Backend):
     async def head(self, key: str) -> ObjectInfo:
         return self._info(await self.account.head(f"{self.bucket}/{key}"))
 
+    async def has_keys_under(self, prefix: str) -> bool:
+        return await self.account.has_keys_under(f"{self.bucket}/{prefix}")
+
     async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
         return await self.account.read_range(f"{self.bucket}/{key}", etag, start, length)
 
@@ -310,6 +313,23 @@ async def test_check_passes_and_a_missing_bucket_fails(store: Store) -> None:
             await missing.check("")
     finally:
         await missing.aclose()
+
+
+async def test_has_keys_under_is_one_request_at_any_depth(store: Store) -> None:
+    """Issue 30 item 15: a probe's directory check is one listing of at most one key (the
+    memory fake counts requests; the real stores' page sizes are checked by the mount test
+    through a counting proxy)."""
+    for i in range(3):
+        await trio.to_thread.run_sync(store.put, f"h/deep/er/k{i}", b"x")
+    await trio.to_thread.run_sync(store.put, "h/file", b"x")
+    assert await store.backend.has_keys_under("h/") is True
+    assert await store.backend.has_keys_under("h/deep/") is True  # only deeper keys
+    assert await store.backend.has_keys_under("h/fil/") is False
+    assert await store.backend.has_keys_under("h/nothing/") is False
+    if isinstance(store.backend, MemoryBackend):
+        before = store.backend.requests["list"]
+        await store.backend.has_keys_under("h/")
+        assert store.backend.requests["list"] - before == 1
 
 
 def test_every_backend_is_covered() -> None:

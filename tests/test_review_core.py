@@ -145,6 +145,20 @@ def test_every_nursery_in_objfs_uses_the_rule() -> None:
     assert offenders == []
 
 
+def test_wrapping_backends_forward_every_backend_method() -> None:
+    """A wrapper that inherits a method from Backend runs the generic version against the
+    wrapped store (item 15: the metrics wrapper made every probe's one-key listing a full
+    first page)."""
+    from objfs.backends.account import AccountBackend
+    from objfs.backends.base import Backend
+    from objfs.metrics import InstrumentedBackend
+
+    public = {name for name in vars(Backend) if not name.startswith("_")} - {"description"}
+    for wrapper in (InstrumentedBackend, AccountBackend):
+        inherited = {name for name in public if name not in vars(wrapper)}
+        assert inherited == set(), (wrapper.__name__, inherited)
+
+
 # -- item 5: a listed key costs O(1) memory ----------------------------------------------------
 
 

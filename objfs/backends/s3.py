@@ -118,6 +118,13 @@ _NETWORK_ERRORS = (
     botocore.exceptions.SSLError,
     botocore.exceptions.ProxyConnectionError,
 )
+# Connection failures of the SDK's path that the data path's own loop retries (TLS errors are
+# not: they do not go away by themselves).
+_CONNECTION_ERRORS = (
+    botocore.exceptions.EndpointConnectionError,
+    botocore.exceptions.ConnectTimeoutError,
+    botocore.exceptions.ProxyConnectionError,
+)
 _CREDENTIAL_ERRORS = (
     botocore.exceptions.NoCredentialsError,
     botocore.exceptions.PartialCredentialsError,
@@ -583,8 +590,9 @@ class S3Backend(Backend):
                     if self._is_refusal(exc) and tries.refused():
                         continue
                     raise
-                except (TransientStoreError, *_BODY_ERRORS) as exc:
-                    # A short, broken or misplaced body: the same retries as below.
+                except (TransientStoreError, *_BODY_ERRORS, *_CONNECTION_ERRORS) as exc:
+                    # A failed connection, a short, broken or misplaced body: the same retries
+                    # as below.
                     tries.failed(self._map_error(exc, what))
                     continue
                 return
@@ -679,7 +687,7 @@ class S3Backend(Backend):
                 what,
                 etag,
                 resp.get("ETag"),
-                email.utils.format_datetime(modified, usegmt=True)
+                email.utils.format_datetime(modified.astimezone(_dt.UTC), usegmt=True)
                 if isinstance(modified, _dt.datetime)
                 else None,
                 content_range_total(got_range) if got_range else int(resp.get("ContentLength", 0)),

@@ -18,6 +18,10 @@ It sits between objfs (or any client) and a real object-store server on 127.0.0.
   in half); ``refuse(True)`` resets every new connection until ``refuse(False)``.
 * answers: ``answer(Answer(...))`` makes the proxy reply itself to every request an
   :class:`Answer` matches (e.g. a 403 for one bucket's paths), the server never seeing it.
+* dropped headers: ``drop_request_headers({"if-match"})`` removes those header lines from the
+  requests it forwards (a gateway that ignores ``If-Match``), counted in ``injected`` as
+  ``"dropped <name>"``. A line split across two TCP segments would pass; on loopback a small
+  GET's head arrives in one.
 
 Threads, not async: one pair per connection keeps it simple and independent of the code under
 test. Only loopback addresses are used.
@@ -163,6 +167,7 @@ class Proxy:
         self._refusing = False
         self.injected: Counter[str] = Counter()  # faults injected, by kind
         self._answers: list[Answer] = []
+        self._drop: re.Pattern[bytes] | None = None
 
     def set_faults(self, plan: FaultPlan | None) -> None:
         """Start (or, with None, stop) breaking responses."""
@@ -182,6 +187,25 @@ class Proxy:
                     self.injected["answered"] += 1
                     return answer
         return None
+
+    def drop_request_headers(self, names: set[str]) -> None:
+        """Remove these headers (case-insensitive) from forwarded requests; empty: none."""
+        alternatives = b"|".join(re.escape(n.encode("latin-1")) for n in sorted(names))
+        self._drop = (
+            re.compile(rb"(?im)^(" + alternatives + rb"):[^\r\n]*\r\n") if names else None
+        )
+
+    def _strip(self, data: bytes) -> bytes:
+        drop = self._drop
+        if drop is None:
+            return data
+
+        def count(match: re.Match[bytes]) -> bytes:
+            with self._lock:
+                self.injected["dropped " + match.group(1).decode("latin-1").lower()] += 1
+            return b""
+
+        return drop.sub(count, data)
 
     def refuse(self, on: bool) -> None:
         """Reset every new connection while ``on``."""
@@ -326,7 +350,7 @@ class Proxy:
                     continue
                 conn.fault = fault if fault not in _SYNTHETIC else None
                 pending.set()
-                server.sendall(data)
+                server.sendall(self._strip(data))
         except OSError:
             pass
         finally:
