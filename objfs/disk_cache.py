@@ -107,7 +107,8 @@ The directory is created with mode 0700 and files with 0600 (see ``_prepare``).
 Interface: ``read_blocks(key, etag, indexes, lengths) -> {index: bytes}`` and
 ``read_blocks_into(key, etag, indexes, buffers) -> {indexes filled}`` return the present,
 intact blocks of a list; ``write_blocks(key, etag, first_index, blocks) -> count`` stores a run
-of consecutive blocks; ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block.
+of consecutive blocks; ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
+``missing_bytes(key, etag, lengths)`` says how much of a version the table does not list.
 
 Thread safety: every method may run in any thread at once. The index, the table of open
 files, the buffer pool and the counters are guarded by one lock, never held during I/O. An
@@ -537,6 +538,38 @@ class DiskCache:
         with self._lock:
             self.writes += stored
         return stored
+
+    def missing_bytes(self, key: str, etag: str, lengths: Sequence[int]) -> int:
+        """How many bytes of version (key, etag), whose blocks 0, 1, ... have ``lengths``,
+        its table does not list as present now: all of them with the tier off or no table.
+        The table is read afresh from the directory (not through a descriptor kept open, so
+        a version another process removed counts as missing); the data is not read, so a
+        block listed may still turn out damaged when read (and is then fetched again)."""
+        total = sum(lengths)
+        if not self.enabled or not lengths:
+            return total
+        v = self._version(key, etag)
+        try:
+            fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return total
+        try:
+            if os.pread(fd, len(v.header), 0) != v.header:
+                return total
+            table = os.pread(fd, len(lengths) * _ENTRY.size, v.table_offset)
+        except OSError:
+            return total
+        finally:
+            os.close(fd)
+        missing = 0
+        for index, length in enumerate(lengths):
+            raw = table[index * _ENTRY.size : (index + 1) * _ENTRY.size]
+            if len(raw) == _ENTRY.size and raw != _NO_ENTRY:
+                got_length, data_hash, check = _ENTRY.unpack(raw)
+                if got_length == length and check == _entry_check(index, got_length, data_hash):
+                    continue
+            missing += length
+        return missing
 
     def close(self) -> None:
         """Close the open files (those in use when their last user is done)."""

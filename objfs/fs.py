@@ -1033,7 +1033,9 @@ class FileSystem:
         budget, same ownership: its blocks are read, so they go first when memory is short),
         one block per step, and waits before each step while the disk tier is behind
         (``Fetcher.disk_room``), so every block it reads reaches the disk. Without a disk
-        tier nothing would keep the bytes: NoDiskCacheError (EOPNOTSUPP)."""
+        tier nothing would keep the bytes: NoDiskCacheError (EOPNOTSUPP). If the disk tier
+        did not keep every block (its cap, its free-space floor, a failing disk):
+        NotStoredError (ENOSPC), from ``Fetcher.check_on_disk``."""
         if self.disk is None or not self.disk.enabled:
             raise NoDiskCacheError("the mount has no usable --cache-dir to warm")
         fh, _ = await self.open(inode, os.O_RDONLY)
@@ -1046,7 +1048,8 @@ class FileSystem:
                 got = len(await self.read(fh, done, self.block_size - done % self.block_size))
                 if not got:
                     break
-                # Read while its run's write was deferred: queue it before it can be evicted.
+                # Read while its run's write was deferred (or refused earlier): queue it
+                # before it can be evicted.
                 self.fetcher.write_now(self.fetcher.key(handle, done // self.block_size))
                 done += got
             # Before the handle closes: its blocks still waiting for the disk stay in memory.
@@ -1054,6 +1057,7 @@ class FileSystem:
             # Blocks lost anyway (evicted by another reader's demand before the writer got
             # to them) are fetched again now rather than when the mount is next idle.
             await self.fetcher.store_lost_now(handle.key, handle.etag)
+            await self.fetcher.check_on_disk(handle)
         finally:
             self.release(fh)
         return done

@@ -30,7 +30,10 @@
   rest again and writes them once the mount has been idle for ``BACKFILL_IDLE_S`` (no read, no
   read-ahead, nothing waiting for the disk), with memory only if it is free: after a cold load
   and a second of idleness the disk tier holds every block it was offered. A warm
-  (``store_lost_now``) does the same for one version at once.
+  (``store_lost_now``) does the same for one version at once, then reads the disk tier's
+  table (``check_on_disk``): it succeeds only if every block of the version is listed
+  there, else NotStoredError (ENOSPC), as the tier may refuse blocks (``write_blocks``
+  stores fewer than given: its cap, its free-space floor) or lose them to a failing disk.
 
 Everything here runs on the trio thread; disk and store I/O run in worker threads that fill
 buffers the trio thread owns and never touch the cache.
@@ -39,6 +42,7 @@ buffers the trio thread owns and never touch the cache.
 from __future__ import annotations
 
 import collections
+import errno
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -50,7 +54,7 @@ import trio
 from objfs.backends.base import Backend
 from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
 from objfs.disk_cache import DiskCache
-from objfs.errors import StaleObjectError
+from objfs.errors import ObjfsError, StaleObjectError
 from objfs.readahead import Stream
 
 if TYPE_CHECKING:
@@ -72,6 +76,14 @@ BACKFILL_BLOCKS = 16384
 # The backfill runs once the mount has been idle this long: no read, no read-ahead, nothing
 # waiting for the disk.
 BACKFILL_IDLE_S = 1.0
+
+
+class NotStoredError(ObjfsError):
+    """A warm into the caches (``objfs warm --cache-only``, through fsync) could not leave
+    the whole version in the disk tier: ``objfs warm`` reports the bytes not stored."""
+
+    errno = errno.ENOSPC
+    log_level = logging.WARNING
 
 
 @dataclass
@@ -446,9 +458,11 @@ class Fetcher:
                 self._deferred.append([(key, len(block)) for key, block in piece])
 
     def write_now(self, key: BlockKey) -> None:
-        """If block ``key`` waits in a deferred run, queue it for the disk now, past the
-        queue's bound (by one block): a reader that must leave its blocks on disk (a warm)
-        calls this for each block it has read, since read blocks are the first evicted."""
+        """If block ``key`` waits in a deferred run, or is in memory but neither on disk nor
+        queued for it (its write was refused or failed earlier), queue it for the disk now,
+        past the queue's bound (by one block): a reader that must leave its blocks on disk
+        (a warm) calls this for each block it has read, since read blocks are the first
+        evicted."""
         for entries in self._deferred:
             for n, (deferred, _) in enumerate(entries):
                 if deferred == key:
@@ -459,6 +473,12 @@ class Fetcher:
                     if not entries:
                         self._deferred.remove(entries)
                     return
+        disk = self.disk
+        if disk is None or not disk.enabled or self._nursery is None:
+            return
+        block = self.cache.peek(key)
+        if block is not None and not block.saved and not block.pins:  # (only the queue pins)
+            self._enqueue_write([(key, block)], force=True)
 
     def _enqueue_write(self, piece: list[tuple[BlockKey, Block]], *, force: bool = False) -> bool:
         nbytes = sum(len(b) for _, b in piece)
@@ -617,6 +637,23 @@ class Fetcher:
                 block.discard()
             reservation.release()
 
+    async def check_on_disk(self, handle: Handle) -> None:
+        """Raise NotStoredError (ENOSPC for the caller's fsync) unless the disk tier's table
+        lists every block of the handle's version now: the last step of a warm into the
+        caches, which must not report bytes as kept that the tier refused (the cap, the
+        free-space floor), lost to a failing disk, or evicted again meanwhile."""
+        disk = self.disk
+        assert disk is not None
+        lengths = [self.length(handle, i) for i in range(self.block_count(handle))]
+        missing = await trio.to_thread.run_sync(
+            disk.missing_bytes, handle.key, handle.etag, lengths, limiter=self.disk_read_limiter
+        )
+        if missing:
+            raise NotStoredError(
+                f"{handle.key}: {missing} of {handle.size} bytes could not be stored in the disk "
+                f"cache (cap {disk.size_limit_bytes} bytes, --cache-size)"
+            )
+
     def _forget_lost(self, key: str, etag: str) -> None:
         """Drop one version's lost blocks from the backfill's list."""
         for lost in [k for k in self._lost if (k.key, k.etag) == (key, etag)]:
@@ -660,9 +697,10 @@ class Fetcher:
                         first.block,
                         [b.view for _, b in run],
                     )
-                    if stored == len(run):  # (a partial write does not say which)
-                        for key, block in run:
-                            self._on_disk(key, block)
+                    # ``stored`` counts from the run's first block; the others are not on
+                    # disk (refused, or the write failed): a warm finds them missing.
+                    for key, block in run[:stored]:
+                        self._on_disk(key, block)
             except Exception:
                 log.exception("disk cache write failed")
             finally:

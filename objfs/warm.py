@@ -17,7 +17,13 @@ opens each file and ``fsync``s it, and the daemon reads the file whole into its 
 tiers itself, answering once the bytes are on disk.
 No byte is copied to the kernel or to this process, so it runs at the speed of the store and
 the disk; a later load then reads from the disk cache (a remount's speed, not the page
-cache's). It needs a mount with ``--cache-dir`` (else EOPNOTSUPP, reported once).
+cache's). It needs a mount with ``--cache-dir`` (else EOPNOTSUPP, reported once). A file
+whose blocks the disk cache did not all keep (its --cache-size, its free-space floor) fails
+its fsync with ENOSPC; the command then lists it and exits 17 saying how much of what was
+asked could not be stored (``not_stored_message``), as it does when the files together
+exceed --cache-size. Invariant: ``--cache-only`` exits 0 only if the daemon found every
+block of every file on disk when it warmed it and, where the mount's status file gives its
+--cache-size, the files fit in that together.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import TextIO
 
-from objfs.errors import UsageError, WarmIncompleteError
+from objfs.errors import ObjfsError, UsageError, WarmIncompleteError
 from objfs.mountinfo import mount_entry
 
 # Large sequential reads: each is a few kernel requests and keeps objfs's read-ahead ahead.
@@ -79,15 +85,66 @@ def _size(n: float) -> str:
 
 def _on_objfs_mount(path: str) -> bool:
     """True if ``path`` lies under a mount of type fuse.objfs (checked without stat-ing it)."""
+    return _objfs_mountpoint(path) is not None
+
+
+def _objfs_mountpoint(path: str) -> str | None:
+    """The mountpoint of the fuse.objfs mount ``path`` lies under, or None (checked without
+    stat-ing it)."""
     current = os.path.abspath(path)
     while True:
         entry = mount_entry(current)
         if entry is not None:
-            return entry[0] == "fuse.objfs"
+            return current if entry[0] == "fuse.objfs" else None
         parent = os.path.dirname(current)
         if parent == current:
-            return False
+            return None
         current = parent
+
+
+def _cache_size(mountpoint: str) -> int | None:
+    """The mount's --cache-size, from the status file its daemon rewrites every second;
+    None if that cannot be read."""
+    from objfs.status import read_status
+
+    try:
+        disk = read_status(mountpoint).get("disk")
+        return int(disk["limit_bytes"]) if isinstance(disk, dict) else None
+    except (ObjfsError, OSError, KeyError, TypeError, ValueError):
+        return None
+
+
+def not_stored_message(files: list[tuple[str, int]], refused: set[str]) -> str | None:
+    """What ``--cache-only`` could not leave in the disk caches, said as ``N of M could not
+    be stored``, or None if nothing is missing. ``refused``: the files whose fsync said
+    ENOSPC (the daemon found blocks of them not on disk after warming them). Per mount, N
+    is the size of those files, or, when more, what the files exceed the mount's
+    --cache-size by (a cache of that size cannot hold them all, though each file fitted
+    when it was warmed: the last evict the first); M is the size of every file asked."""
+    groups: dict[str | None, list[tuple[str, int]]] = {}
+    mountpoints: dict[str, str | None] = {}  # directory -> its mount's mountpoint
+    for path, size in files:
+        directory = os.path.dirname(os.path.abspath(path))
+        if directory not in mountpoints:
+            mountpoints[directory] = _objfs_mountpoint(directory)
+        groups.setdefault(mountpoints[directory], []).append((path, size))
+    missing = 0
+    caps: set[int] = set()
+    for mountpoint, group in groups.items():
+        asked = sum(size for _, size in group)
+        not_kept = sum(size for path, size in group if path in refused)
+        cap = _cache_size(mountpoint) if mountpoint is not None else None
+        if cap is not None:
+            caps.add(cap)
+            not_kept = max(not_kept, asked - cap)
+        missing += not_kept
+    if not missing:
+        return None
+    option = " ".join(["--cache-size", *(_size(cap) for cap in sorted(caps))])
+    return (
+        f"{_size(missing)} of {_size(sum(size for _, size in files))} could not be stored in "
+        f"the disk cache ({option}): raise --cache-size or warm fewer files"
+    )
 
 
 def collect(paths: Iterable[str]) -> list[tuple[str, int]]:
@@ -153,7 +210,9 @@ def warm(
 ) -> int:
     """Read every file under ``paths``; returns the bytes read. Raises WarmIncompleteError
     (after reading everything else) if some files could not be read. ``cache_only``: into
-    objfs's caches only (see the module docstring); raises UsageError if the mount cannot."""
+    objfs's caches only (see the module docstring); raises UsageError if the mount cannot,
+    and WarmIncompleteError if its disk cache could not keep everything asked (see
+    ``not_stored_message``)."""
     files = collect(paths)
     total = sum(size for _, size in files)
     progress = Progress(total)
@@ -173,6 +232,7 @@ def warm(
 
     read_one = _warm_in_daemon if cache_only else _read_whole
     unsupported: list[str] = []
+    refused: list[str] = []  # --cache-only: files the disk cache did not keep whole
 
     def work(item: list[tuple[str, int]]) -> None:
         for path, _ in item:
@@ -184,6 +244,8 @@ def warm(
                 with progress.lock:
                     if cache_only and exc.errno == errno.EOPNOTSUPP:
                         unsupported.append(path)
+                    elif cache_only and exc.errno == errno.ENOSPC:
+                        refused.append(path)
                     else:
                         failures.append(f"{path}: {exc.strerror}")
             with progress.lock:
@@ -207,13 +269,20 @@ def warm(
     elapsed = time.monotonic() - progress.started
     where = " into objfs's caches" if cache_only else ""
     out.write(
-        f"warmed {len(files) - len(failures)} files{where}, {_size(progress.done_bytes)} in "
-        f"{elapsed:.1f} s ({_size(progress.done_bytes / max(elapsed, 1e-6))}/s)\n"
+        f"warmed {len(files) - len(failures) - len(refused)} files{where}, "
+        f"{_size(progress.done_bytes)} in {elapsed:.1f} s "
+        f"({_size(progress.done_bytes / max(elapsed, 1e-6))}/s)\n"
     )
+    for failure in failures:
+        out.write(f"objfs: could not read {failure}\n")
+    for path in refused:
+        out.write(f"objfs: not stored whole in the disk cache: {path}\n")
+    problems = []
     if failures:
-        for failure in failures:
-            out.write(f"objfs: could not read {failure}\n")
-        raise WarmIncompleteError(
-            f"{len(failures)} of {len(files)} files could not be read (listed above)"
-        )
+        problems.append(f"{len(failures)} of {len(files)} files could not be read (listed above)")
+    shortfall = not_stored_message(files, set(refused)) if cache_only else None
+    if shortfall is not None:
+        problems.append(shortfall)
+    if problems:
+        raise WarmIncompleteError("; ".join(problems))
     return progress.done_bytes

@@ -126,6 +126,26 @@ def test_a_run_is_one_pwritev_and_one_table_write(
     assert calls["open"] == 0
 
 
+def test_missing_bytes_are_what_the_table_does_not_list(tmp_path: Path) -> None:
+    """``missing_bytes`` (a warm's last check): the bytes of the blocks with no intact entry
+    of the right length, read afresh; every byte once the version's files are gone."""
+    cache = make_cache(tmp_path / "c")
+    lengths = [BS, BS, BS, 100]
+    assert cache.missing_bytes("k", "e", lengths) == 3 * BS + 100  # no table at all
+    cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    cache.write_blocks("k", "e", 3, [block("k", 3, 100)])
+    assert cache.missing_bytes("k", "e", lengths) == BS
+    assert cache.missing_bytes("k", "e", [BS, BS, BS, 99]) == BS + 99  # a length that differs
+    where = cache.locate("k", "e", 1)
+    patch_bytes(where.index_path, where.entry_offset + 4, b"\xff")  # a garbled entry
+    assert cache.missing_bytes("k", "e", lengths) == 2 * BS
+    assert cache.missing_bytes("k", "e", []) == 0
+    other = make_cache(tmp_path / "c")  # another process evicts it
+    other.size_limit_bytes = 0
+    other.evict()
+    assert cache.missing_bytes("k", "e", lengths) == 3 * BS + 100
+
+
 def test_present_blocks_of_a_list_are_returned(tmp_path: Path) -> None:
     cache = make_cache(tmp_path / "c")
     cache.write_blocks("k", "e", 0, [block("k", i) for i in range(3)])

@@ -95,6 +95,46 @@ def test_warm_cache_only_fills_the_disk_cache_and_sends_no_byte_to_the_kernel(
     assert proxy.stats.count()["ranged_get"] == 0, proxy.stats.requests
 
 
+def test_warm_cache_only_fails_and_says_how_much_the_disk_cache_could_not_hold(
+    proxy: Proxy, s3: Any, bucket: str, tmp_path: Path
+) -> None:
+    """``--cache-only`` into a disk cache too small for what was asked exits 17 and says how
+    much is missing and which option to raise: a file the cache could not keep whole, and
+    files that each fit but not together. What fits exits 0."""
+    files = {
+        "m/one/big.bin": os.urandom(12 * MiB),  # over 90% of the cap: not cached whole
+        "m/one/c.json": b"{}",
+        "m/fits.bin": os.urandom(2 * MiB),
+        **{f"m/many/{name}.bin": os.urandom(7 * MiB // 2) for name in "abc"},
+    }
+    put_many(s3, bucket, files)
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, proxy.url)
+    cmd += ["--cache-size", "8M"]
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        time.sleep(1.2)  # the status file, which holds --cache-size, is rewritten every second
+        res = run_objfs("warm", "--cache-only", str(m.path / "one"), str(m.path / "fits.bin"))
+        assert res.returncode == 17, res.stderr
+        lines = res.stderr.splitlines()
+        assert f"objfs: not stored whole in the disk cache: {m.path / 'one/big.bin'}" in lines
+        assert lines[-1] == (
+            "objfs: error: 12.0 MiB of 14.0 MiB could not be stored in the disk cache "
+            "(--cache-size 8.0 MiB): raise --cache-size or warm fewer files"
+        ), res.stderr
+        assert any(line.startswith("warmed 2 files into objfs's caches, 2.0 MiB") for line in lines)
+
+        res = run_objfs("warm", "--cache-only", str(m.path / "fits.bin"))
+        assert res.returncode == 0, res.stderr
+        assert res.stderr.splitlines()[-1].startswith("warmed 1 files into objfs's caches, 2.0")
+
+        # One at a time, each fits when warmed, but the last evict the first.
+        res = run_objfs("warm", "--cache-only", "--jobs", "1", str(m.path / "many"))
+        assert res.returncode == 17, res.stderr
+        assert res.stderr.splitlines()[-1] == (
+            "objfs: error: 2.5 MiB of 10.5 MiB could not be stored in the disk cache "
+            "(--cache-size 8.0 MiB): raise --cache-size or warm fewer files"
+        ), res.stderr
+
+
 def test_warm_cache_only_without_a_cache_dir_says_so(mount_s3: Any, s3: Any, bucket: str) -> None:
     s3.put_object(Bucket=bucket, Key="m/x.bin", Body=b"x" * 1000)
     m: Mount = mount_s3(f"s3://{bucket}/m")
