@@ -110,12 +110,13 @@ intact blocks of a list; ``write_blocks(key, etag, first_index, blocks) -> count
 of consecutive blocks; ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
 ``missing_bytes(key, etag, lengths)`` says how much of a version the table does not list.
 
-Thread safety: every method may run in any thread at once. The index, the table of open
-files, the buffer pool and the counters are guarded by one lock, never held during I/O. An
-open file's descriptors are closed only when no thread is using them (a use count), so a
-descriptor number is never reused under a thread's feet. Eviction runs in one thread at a
-time (others skip it). Threads take turns on the ledger's descriptor (``_ledger_mutex``), and
-the writes in flight of all threads hold ``.writers`` through one descriptor (a count).
+Thread safety: every method may run in any thread at once. The index, the table of open files,
+the buffer pool and the counters are guarded by one lock, never held during I/O. An open file's
+descriptors are closed only when no thread is using them (a use count), so a descriptor number
+is never reused under a thread's feet. Eviction runs in one thread at a time (others skip it,
+or wait to evict for their own write and reserve its room). Threads take turns on the ledger's
+descriptor (``_ledger_mutex``), and the writes in flight of all threads hold ``.writers``
+through one descriptor (a count).
 """
 
 from __future__ import annotations
@@ -1132,23 +1133,29 @@ class DiskCache:
             self.min_free_bytes / (1 << 30),
         )
 
-    def evict(self, need: int = 0) -> None:
+    def evict(self, need: int = 0, *, reserve: bool = False) -> bool:
         """Delete least recently used versions (of every process sharing the directory) so
         that the directory's bytes, the writes in flight and ``need`` more bytes fit 10%
         under the size cap (when they do not fit under it), and free space is 10% over the
-        floor (when under it)."""
-        if not self._evicting.acquire(blocking=False):
-            return  # another thread is at it
+        floor (when under it); returns False at once if another thread is evicting.
+
+        ``reserve`` (a write that needs room, see ``_claim_room``): wait for another
+        thread's eviction rather than return, and reserve ``need`` bytes in the ledger under
+        the same lock, so no other write takes the room made; True if reserved (the caller
+        then holds ``.writers`` shared, as after ``_claim_room``)."""
+        if not self._evicting.acquire(blocking=reserve):
+            return False  # another thread is at it
         try:
             with self._exclusive() as lock_fd:
                 self._scan()  # include what other processes wrote
-                self._evict_locked(lock_fd, need)
+                return self._evict_locked(lock_fd, need, reserve=reserve)
         except OSError as exc:
             self._failed("evicting in", self.root, exc)
+            return False
         finally:
             self._evicting.release()
 
-    def _evict_locked(self, lock_fd: int, need: int) -> None:
+    def _evict_locked(self, lock_fd: int, need: int, *, reserve: bool) -> bool:
         cap = self.size_limit_bytes
         floor = self.min_free_bytes
         free = self._free_bytes() if floor > 0 else None
@@ -1172,9 +1179,20 @@ class DiskCache:
                 self.evictions += 1
             if free is not None:
                 free += freed
-        self._settle_ledger(lock_fd, reserved)
+        with self._lock:
+            room = reserve and self._total + reserved + need <= cap
+        if room:
+            self._enter_writing()  # after _ledger_reserved: this write is in flight now
+            reserved += need
+        try:
+            self._settle_ledger(lock_fd, reserved)
+        except BaseException:
+            if room:
+                self._leave_writing()
+            raise
         if free is not None:
             self._space_low = self._free_bytes() < floor
+        return room
 
     # -- the size ledger, shared by the processes of the directory ----------------------------
 
@@ -1238,26 +1256,23 @@ class DiskCache:
 
     def _claim_room(self, need: int) -> bool:
         """Reserve ``need`` bytes in the ledger if they fit under the cap with what is
-        counted and reserved there, else evict and try once more. True: reserved, and this
-        write holds ``.writers`` shared until ``_settle_room``; False: no room even after
-        evicting."""
-        for attempt in range(2):
-            if attempt:
-                self.evict(need)
-            # Shared before reserving: an eviction that finds .writers unlocked knows no
-            # reservation is live (_ledger_reserved).
-            self._enter_writing()
-            try:
-                with self._ledger() as lock_fd:
-                    counted, reserved = _read_ledger(lock_fd)
-                    if counted + reserved + need <= self.size_limit_bytes:
-                        _write_ledger(lock_fd, counted, reserved + need)
-                        return True
-            except BaseException:
-                self._leave_writing()
-                raise
-            self._leave_writing()  # not while evicting: the eviction may then drop leaks
-        return False
+        counted and reserved there, else evict and reserve them then (under the eviction's
+        lock). True: reserved, and this write holds ``.writers`` shared until
+        ``_settle_room``; False: no room even after evicting."""
+        # Shared before reserving: an eviction that finds .writers unlocked knows no
+        # reservation is live (_ledger_reserved).
+        self._enter_writing()
+        try:
+            with self._ledger() as lock_fd:
+                counted, reserved = _read_ledger(lock_fd)
+                if counted + reserved + need <= self.size_limit_bytes:
+                    _write_ledger(lock_fd, counted, reserved + need)
+                    return True
+        except BaseException:
+            self._leave_writing()
+            raise
+        self._leave_writing()  # not while evicting: the eviction may then drop leaks
+        return self.evict(need, reserve=True)
 
     def _settle_room(self, need: int, landed: int) -> None:
         """A write that reserved ``need`` bytes is done, and allocated ``landed``: count

@@ -500,6 +500,40 @@ def test_a_version_bigger_than_the_cache_is_not_cached(tmp_path: Path) -> None:
     assert cache.statistics()["disk_evictions"] == 0
 
 
+def test_threads_that_need_room_at_once_each_get_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full cache, and two threads whose writes both need an eviction at once: the one that
+    finds the other evicting evicts after it for its own write, rather than being refused
+    for lack of the room the first made for itself."""
+    unit = version_size(tmp_path)
+    cache = make_cache(tmp_path / "c", size_limit_bytes=unit * 21 // 2)  # ten versions and a half
+    for i in range(10):
+        cache.write(BlockKey(f"old{i}", "e", 0), block(f"old{i}", 0))
+    real_scan = cache._scan
+    scanning = threading.Barrier(2, timeout=5)
+
+    def slow_scan() -> None:  # the first eviction lasts until the second write wants room
+        with contextlib.suppress(threading.BrokenBarrierError):
+            scanning.wait(timeout=0.5)
+        real_scan()
+
+    monkeypatch.setattr(cache, "_scan", slow_scan)
+    stored: dict[str, int] = {}
+
+    def write(name: str) -> None:
+        stored[name] = cache.write_blocks(name, "e", 0, [block(name, 0), block(name, 1)])
+
+    threads = [threading.Thread(target=write, args=(name,)) for name in ("new0", "new1")]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert stored == {"new0": 2, "new1": 2}
+    assert cache.statistics()["disk_blocks_skipped_full"] == 0
+    assert version_bytes(tmp_path / "c") <= cache.size_limit_bytes
+
+
 def test_writes_scan_no_directory_and_check_free_space_rarely(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
