@@ -217,7 +217,8 @@ EXIT_CODES: dict[int, str] = {
     14: "the mount failed or the daemon stopped before it served",
     15: "`unmount`, `status`: the path is not mounted",
     16: "`unmount`: the mount is busy or could not be detached",
-    17: "`warm`: some files could not be read (each is listed)",
+    17: "`warm`: some files could not be read (each is listed), or, with `--cache-only`, "
+    "not stored whole in the disk cache",
     18: "`status`: no live objfs daemon reports on the mount (it died or hangs)",
     19: "`sidecar`: the mount stopped while serving (the daemon died or was unmounted)",
 }
