@@ -191,9 +191,7 @@ class Proxy:
     def drop_request_headers(self, names: set[str]) -> None:
         """Remove these headers (case-insensitive) from forwarded requests; empty: none."""
         alternatives = b"|".join(re.escape(n.encode("latin-1")) for n in sorted(names))
-        self._drop = (
-            re.compile(rb"(?im)^(" + alternatives + rb"):[^\r\n]*\r\n") if names else None
-        )
+        self._drop = re.compile(rb"(?im)^(" + alternatives + rb"):[^\r\n]*\r\n") if names else None
 
     def _strip(self, data: bytes) -> bytes:
         drop = self._drop
