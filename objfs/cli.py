@@ -19,6 +19,7 @@ from objfs import __version__
 from objfs.backends.base import Backend
 from objfs.config import (
     ACCOUNT_NAME_RE,
+    FUSE_TRANSPORTS,
     AzureOptions,
     MountConfig,
     S3Options,
@@ -192,6 +193,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-min-free",
         metavar="SIZE",
         help="free space to leave on the cache's disk (default: 10%% of it, at most 5G)",
+    )
+    perf.add_argument(
+        "--fuse-transport",
+        choices=FUSE_TRANSPORTS,
+        default=MountConfig.fuse_transport,
+        help="how objfs speaks FUSE: pyfuse3 (libfuse) or kernel (objfs's own protocol "
+        "implementation: larger requests; see the README) (default: %(default)s)",
     )
     perf.add_argument(
         "--read-ahead-kb",
@@ -472,6 +480,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         if args.cache_min_free is None
         else parse_size(args.cache_min_free, option="--cache-min-free"),
         read_ahead_kb=args.read_ahead_kb,
+        fuse_transport=args.fuse_transport,
         mountpoint=os.path.abspath(args.mountpoint),
         foreground=args.foreground,
         allow_other=args.allow_other,

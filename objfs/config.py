@@ -295,6 +295,10 @@ class AzureOptions:
     max_connections: int = 16
 
 
+#: The FUSE transports ``--fuse-transport`` chooses from (see MountConfig.fuse_transport).
+FUSE_TRANSPORTS = ("pyfuse3", "kernel")
+
+
 @dataclass(frozen=True)
 class MountConfig:
     """Everything ``mount`` needs besides the backend."""
@@ -343,6 +347,10 @@ class MountConfig:
     read_ahead_kb: int = 16384
     # FUSE connection queue (max_background); the kernel default of 12 starves parallel reads.
     max_background: int = 64
+    # How objfs speaks to the kernel: "pyfuse3" (libfuse 3.14 through pyfuse3, the original
+    # binding and the default until the whole suite runs on the other) or "kernel" (objfs's
+    # own implementation of the protocol, objfs.kernel).
+    fuse_transport: str = "pyfuse3"
     log_level: str = "info"
     log_file: str | None = None
     # "text" for people, "json" (one object per line) for log collectors.

@@ -399,6 +399,14 @@ class Telemetry:
         value = state().get("unreachable_for_s")
         return None if value is None else float(value)
 
+    def _fuse(self) -> dict[str, Any]:
+        """The FUSE transport and what it negotiated with the kernel (pyfuse3: libfuse's
+        choice, not visible here)."""
+        negotiated = getattr(self.ops, "negotiated", None)
+        if negotiated is None:
+            return {"transport": "pyfuse3"}
+        return dict(negotiated.as_dict())
+
     def snapshot(self) -> dict[str, Any]:
         """Every figure, as the status file holds it."""
         stats = self.backend.stats
@@ -431,6 +439,7 @@ class Telemetry:
             "started_at": self.started_at,
             "updated_at": time.time(),
             "metrics_addr": self.config.metrics_addr,
+            "fuse": self._fuse(),
             "served": {
                 "bytes": served,
                 "reads": int(getattr(self.ops, "reads", 0)),

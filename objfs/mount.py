@@ -37,6 +37,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import pyfuse3
 import trio
@@ -62,6 +63,9 @@ from objfs.errors import (
 )
 from objfs.fs import FileSystem
 from objfs.fuse_ops import ObjfsOperations
+
+if TYPE_CHECKING:
+    from objfs.kernel.session import KernelSession
 from objfs.jsonlog import JsonFormatter
 from objfs.metrics import InstrumentedBackend, Telemetry
 from objfs.mountinfo import _mountinfo_record, mount_entry
@@ -243,7 +247,7 @@ def fuse_options(config: MountConfig) -> set[str]:
 # -- serving ---------------------------------------------------------------------------------
 
 
-async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
+async def _watch_signals(cancel_scope: trio.CancelScope, stop: Callable[[], None]) -> None:
     """SIGINT/SIGTERM: stop taking requests (the mount is removed on the way out); a second
     signal cancels whatever is still running."""
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
@@ -251,7 +255,7 @@ async def _watch_signals(cancel_scope: trio.CancelScope) -> None:
         async for signum in signals:
             log.info("received %s: stopping", signal.Signals(signum).name)
             if first:
-                pyfuse3.terminate()
+                stop()
                 first = False
             else:
                 cancel_scope.cancel()
@@ -379,9 +383,14 @@ async def serve_async(
                 "or prefix (a prefix is case-sensitive and has no leading slash)",
                 config.source.url(),
             )
-    ops = ObjfsOperations(fs)
-    telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     passed_fd = passed_fuse_fd(config.mountpoint)
+    kernel: KernelSession | None = None
+    if config.fuse_transport == "kernel":
+        from objfs.kernel.session import KernelSession
+
+        kernel = KernelSession(fs, config, passed_fd)
+    ops: ObjfsOperations | KernelSession = kernel or ObjfsOperations(fs)
+    telemetry = Telemetry(config, backend, fs, ops)  # binds --metrics-addr before mounting
     mark = os.environ.pop(FD_USED_ENV, "") if passed_fd is not None else ""
     if mark:
         # From pyfuse3.init on, the kernel's INIT request may be read from the fd: the sidecar
@@ -397,7 +406,13 @@ async def serve_async(
         # With /dev/fd/N libfuse takes fd N as the session's channel and mounts nothing; the
         # mount options then only configure the session (the mounting process chose the
         # kernel's).
-        pyfuse3.init(ops, config.mountpoint, fuse_options(config))
+        if isinstance(ops, ObjfsOperations):
+            pyfuse3.init(ops, config.mountpoint, fuse_options(config))
+        else:
+            ops.mount()
+    except MountFailedError:
+        telemetry.close()
+        raise
     except RuntimeError as exc:
         telemetry.close()
         hint = ""
@@ -434,10 +449,17 @@ async def serve_async(
         async with open_nursery() as nursery:
             fs.start(nursery)
             nursery.start_soon(tune_after_init)
-            nursery.start_soon(_watch_signals, nursery.cancel_scope)
+            nursery.start_soon(
+                _watch_signals,
+                nursery.cancel_scope,
+                pyfuse3.terminate if kernel is None else kernel.stop,
+            )
             # Writes the status file, reports READY once tuned, refreshes the file every second.
             nursery.start_soon(telemetry.run, on_ready, tuned)
-            await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
+            if kernel is not None:
+                await kernel.serve()
+            else:
+                await pyfuse3.main(max_tasks=_MAX_FUSE_TASKS)
             if passed_fd is None:
                 log.info("%s was unmounted", config.mountpoint)
             else:
@@ -452,7 +474,10 @@ async def serve_async(
             # A passed fd is unmounted by the process that mounted it (this one may not be
             # allowed to); closing the session closes the fd, and the kernel then fails
             # requests on that mount with ENOTCONN.
-            pyfuse3.close(unmount=passed_fd is None)
+            if kernel is not None:
+                kernel.close(unmount=passed_fd is None)
+            else:
+                pyfuse3.close(unmount=passed_fd is None)
             await backend.aclose()
     log.info("objfs stopped: %s", fs.statistics())
 

@@ -38,6 +38,7 @@ VALUE_OPTIONS = {
         "cache_size",
         "cache_min_free",
         "read_ahead_kb",
+        "fuse_transport",
         "uid",
         "gid",
         "metadata_ttl",

@@ -214,6 +214,14 @@ def format_status(s: dict[str, Any]) -> str:
             f"  hit rate      {100 * from_caches:.1f}% of the bytes served came from the caches"
         )
     lines.append(f"  open files    {s['open_files']} ({s['inodes']} inodes known)")
+    fuse = s.get("fuse") or {}
+    if fuse.get("transport") == "kernel":
+        lines.append(
+            f"  fuse          kernel transport, protocol {fuse.get('protocol')}, requests up to "
+            f"{_size(fuse.get('max_request_bytes', 0))}; {' '.join(fuse.get('flags', []))}"
+        )
+    elif fuse:
+        lines.append(f"  fuse          {fuse.get('transport')} transport")
     meta = s.get("metadata") or {}
     if meta.get("empty_source"):
         if meta.get("account_root"):

@@ -160,6 +160,9 @@ def run_mount(
             proc.wait(timeout=30)
 
 
+TRANSPORT = os.environ.get("OBJFS_TEST_FUSE_TRANSPORT", "")
+
+
 def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) -> list[str]:
     """``objfs mount`` in the foreground, logging to ``log_path`` (later options win)."""
     return [
@@ -172,6 +175,8 @@ def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) 
         "--foreground",
         "--log-file",
         str(log_path),
+        # The whole suite on another transport: OBJFS_TEST_FUSE_TRANSPORT=kernel make test.
+        *(("--fuse-transport", TRANSPORT) if TRANSPORT else ()),
         *options,
     ]
 

@@ -1,0 +1,196 @@
+"""objfs's own FUSE transport (``--fuse-transport kernel``) through real mounts of moto.
+
+The semantics are those of the pyfuse3 transport (the same core answers): these tests check
+what the transport itself owns: INIT (what it negotiated, shown by ``objfs status``), every
+request objfs answers with the same bytes and errnos, READDIRPLUS over many entries, mmap,
+interrupted readers, and a clean end on unmount and on SIGTERM while files are open.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.conftest import Mount, put_many, run_objfs, sha256
+
+MiB = 1 << 20
+KERNEL = ("--fuse-transport", "kernel")
+
+
+@pytest.fixture
+def tree(s3: Any, bucket: str) -> dict[str, bytes]:
+    files = {
+        "m/model.safetensors": os.urandom(9 * MiB + 123),
+        "m/config.json": b'{"a": 1}',
+        "m/empty": b"",
+        "m/sub/deep/x.bin": os.urandom(70_000),
+        **{f"m/many/f{i:04d}": str(i).encode() for i in range(300)},
+    }
+    put_many(s3, bucket, files)
+    return files
+
+
+def test_a_kernel_transport_mount_serves_the_tree(
+    mount_s3: Any, bucket: str, tree: dict[str, bytes]
+) -> None:
+    m: Mount = mount_s3(f"s3://{bucket}/m", *KERNEL)
+    for key, data in tree.items():
+        path = m.path / key[2:]
+        assert path.stat().st_size == len(data)
+        assert sha256(path.read_bytes()) == sha256(data), key
+    assert sorted(os.listdir(m.path)) == [
+        "config.json",
+        "empty",
+        "many",
+        "model.safetensors",
+        "sub",
+    ]
+    # 300 entries take several READDIRPLUS replies; ls -l stats each one.
+    assert sorted(os.listdir(m.path / "many")) == sorted(f"f{i:04d}" for i in range(300))
+    listed = subprocess.run(
+        ["ls", "-l", str(m.path / "many")], capture_output=True, text=True, check=True
+    )
+    assert len(listed.stdout.splitlines()) == 301
+    st = os.stat(m.path / "model.safetensors")
+    assert st.st_mode & 0o777 == 0o444
+    assert os.stat(m.path / "sub").st_mode & 0o777 == 0o555
+    with pytest.raises(FileNotFoundError):
+        os.stat(m.path / "missing.json")
+    with pytest.raises(FileNotFoundError):  # cached as a negative entry: same answer
+        os.stat(m.path / "missing.json")
+    # Random reads, and mmap (what safetensors does).
+    data = tree["m/model.safetensors"]
+    with open(m.path / "model.safetensors", "rb") as fp:
+        rng = random.Random(7)
+        for _ in range(50):
+            off = rng.randrange(len(data))
+            size = rng.choice([1, 4096, 65536, 3 * MiB])
+            fp.seek(off)
+            assert fp.read(size) == data[off : off + size]
+        with mmap.mmap(fp.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+            assert sha256(mapped[:]) == sha256(data)
+    # statfs answers (df).
+    vfs = os.statvfs(m.path)
+    assert vfs.f_namemax == 255
+    # What was negotiated is in objfs status.
+    status = run_objfs("status", str(m.path), "--json")
+    assert status.returncode == 0, status.stderr
+    fuse = json.loads(status.stdout)["fuse"]
+    assert fuse["transport"] == "kernel"
+    assert fuse["protocol"].startswith("7.")
+    assert "ASYNC_READ" in fuse["flags"]
+    assert fuse["max_request_bytes"] >= MiB
+    text = run_objfs("status", str(m.path))
+    assert "kernel transport" in text.stdout
+    assert "FUSE transport kernel: protocol 7." in m.log()
+
+
+def test_the_kernel_transport_is_read_only_with_the_same_errnos(
+    mount_s3: Any, bucket: str, tree: dict[str, bytes]
+) -> None:
+    m: Mount = mount_s3(f"s3://{bucket}/m", *KERNEL)
+    target = m.path / "config.json"
+    attempts = [
+        lambda: open(target, "w"),  # noqa: SIM115
+        lambda: open(m.path / "new", "w"),  # noqa: SIM115
+        lambda: os.mkdir(m.path / "d"),
+        lambda: os.unlink(target),
+        lambda: os.rename(target, m.path / "y"),
+        lambda: os.chmod(target, 0o600),
+        lambda: os.truncate(target, 0),
+        lambda: os.symlink("x", m.path / "link"),
+        lambda: os.setxattr(target, "user.x", b"1"),
+    ]
+    for attempt in attempts:
+        with pytest.raises(OSError, match="Read-only file system") as caught:
+            attempt()
+        assert caught.value.errno == errno.EROFS
+    # No extended attributes: ENOSYS from objfs, which the kernel reports as unsupported.
+    with pytest.raises(OSError, match=r"not supported|No data") as caught:
+        os.getxattr(target, "user.x")
+    assert caught.value.errno in (errno.EOPNOTSUPP, errno.ENODATA)
+    assert target.read_bytes() == tree["m/config.json"]
+
+
+def test_many_readers_with_mmap_and_an_unmount_while_reading(
+    mount_s3: Any, bucket: str, tree: dict[str, bytes]
+) -> None:
+    m: Mount = mount_s3(f"s3://{bucket}/m", *KERNEL)
+    data = tree["m/model.safetensors"]
+    errors: list[str] = []
+
+    def reader(n: int) -> None:
+        try:
+            with open(m.path / "model.safetensors", "rb") as fp:
+                if n % 2:
+                    with mmap.mmap(fp.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                        got = mapped[n * 4096 : n * 4096 + MiB]
+                else:
+                    fp.seek(n * 4096)
+                    got = fp.read(MiB)
+            if got != data[n * 4096 : n * 4096 + MiB]:
+                errors.append(f"reader {n}: wrong bytes")
+        except OSError as exc:
+            errors.append(f"reader {n}: {exc}")
+
+    threads = [threading.Thread(target=reader, args=(n,)) for n in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a reader hung"
+    assert errors == []
+
+
+def test_sigterm_with_files_open_ends_the_daemon_cleanly(
+    s3_server: Any, bucket: str, tree: dict[str, bytes], tmp_path: Path
+) -> None:
+    """The readers wait in poll: a stop ends them even while a file keeps the detached mount
+    alive, and the daemon exits 0."""
+    from tests.conftest import mount_command, wait_mounted
+
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    log_path = tmp_path / "objfs.log"
+    cmd = mount_command(
+        f"s3://{bucket}/m", mountpoint, log_path, "--endpoint-url", s3_server.url, *KERNEL
+    )
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = None
+    try:
+        wait_mounted(mountpoint, proc, log_path)
+        holder = subprocess.Popen(
+            [
+                sys.executable,
+                "-c",
+                "import sys, time; f = open(sys.argv[1], 'rb'); f.read(10);"
+                " print('open', flush=True); time.sleep(60)",
+                str(mountpoint / "config.json"),
+            ],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "open"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+        assert "received SIGTERM" in log_path.read_text()
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.communicate()
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
