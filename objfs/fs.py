@@ -64,7 +64,7 @@ from typing import TypeVar
 import trio
 
 from objfs.backends.base import Backend, ObjectInfo
-from objfs.block_cache import BlockCache, Buffer
+from objfs.block_cache import BlockCache, BlockKey, Buffer
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
@@ -831,8 +831,17 @@ class FileSystem:
         except KeyError:
             raise BadFileHandleError(f"file handle {fh} is not open") from None
 
-    async def read(self, fh: int, offset: int, size: int) -> bytes | bytearray | memoryview:
-        """Return ``size`` bytes from ``offset``, fewer only at end of file."""
+    async def read(
+        self, fh: int, offset: int, size: int, *, holds: list[Callable[[], None]] | None = None
+    ) -> bytes | bytearray | memoryview:
+        """Return ``size`` bytes from ``offset``, fewer only at end of file.
+
+        Without ``holds`` the reply must reach the kernel before the trio thread runs anything
+        else (the view's buffer may be recycled after). With ``holds`` (a transport that
+        writes replies from other threads) the bytes stay valid, and charged to the budget,
+        until every callback appended to ``holds`` has run: the caller runs them on the trio
+        thread once the reply is written (cached blocks are pinned, pooled and reply-share
+        bytes given back by the callbacks)."""
         self._release_reply_buffers()
         self.fetcher.touch()
         handle = self._handle(fh)
@@ -845,7 +854,7 @@ class FileSystem:
                 handle, window, cancellable=True, stream=handle.readahead.last_stream
             )
         elif handle.readahead.last_random:
-            data = await self._read_random(handle, offset, end)
+            data = await self._read_random(handle, offset, end, holds)
             if data is not None:
                 return data
         bs = self.block_size
@@ -856,15 +865,20 @@ class FileSystem:
             base = first * bs
             block = await self._block(handle, first, to_end=self._reaches_end(handle, first, end))
             if block is not None:
+                self._hold_blocks([self.fetcher.key(handle, first)], holds)
                 return block[offset - base : end - base]
             # Budget smaller than a block, or evicted again: read around the memory tier.
             nbytes = end - offset
             await self.cache.replies.acquire(nbytes)
             try:
-                return await self._read_range(handle, offset, nbytes)
-            finally:
-                # The reply reaches the kernel before the trio thread runs anything else.
+                around = await self._read_range(handle, offset, nbytes)
+            except BaseException:
                 self.cache.replies.release(nbytes)
+                raise
+            # The reply reaches the kernel before the trio thread runs anything else (or,
+            # with holds, the share is given back once it has).
+            self._release_share(nbytes, holds)
+            return around
         # A read across blocks (the kernel's requests are rarely block-aligned): one view
         # when the blocks sit in adjacent buffers (the usual case, see BufferPool), once
         # every block is here.
@@ -877,6 +891,7 @@ class FileSystem:
             # No await from the check to the reply: nothing can evict or recycle them.
             for index in range(first, last + 1):
                 self._cached(handle, index, to_end=self._reaches_end(handle, index, end))
+            self._hold_blocks(keys, holds)
             self.reads_spanned += 1
             return joined[offset - first * bs : end - first * bs]
         # Else it is assembled in a pooled buffer charged to the reply share: no
@@ -906,15 +921,40 @@ class FileSystem:
                 self.cache.pool.release(buf)
             self.cache.replies.release(nbytes)
             raise
-        if isinstance(buf, Buffer):
+        if isinstance(buf, Buffer) and holds is not None:
+            pooled_buf = buf
+
+            def give_back() -> None:
+                self.cache.pool.release(pooled_buf)
+                self.cache.replies.release(self.cache.pool.buffer_size)
+
+            holds.append(give_back)
+        elif isinstance(buf, Buffer):
             # The kernel copies the reply before the trio thread runs anything else: the
             # buffer goes back to the pool, and its bytes to the share, when the next read
             # starts, or when a read waiting for the reply share wakes (poke) and reclaims it.
             self._reply_buffers.append(buf)
             self.cache.replies.poke()
         else:
-            self.cache.replies.release(nbytes)
+            self._release_share(nbytes, holds)
         return out
+
+    def _hold_blocks(self, keys: list[BlockKey], holds: list[Callable[[], None]] | None) -> None:
+        """Pin the cached blocks of ``keys`` until the holds run (no-op without holds)."""
+        if holds is None:
+            return
+        for key in keys:
+            block = self.cache.peek(key)
+            if block is not None:
+                block.pin()
+                holds.append(block.unpin)
+
+    def _release_share(self, nbytes: int, holds: list[Callable[[], None]] | None) -> None:
+        """Give ``nbytes`` back to the reply share now, or once the holds run."""
+        if holds is None:
+            self.cache.replies.release(nbytes)
+        else:
+            holds.append(lambda: self.cache.replies.release(nbytes))
 
     def _release_reply_buffers(self) -> None:
         """Give back the pooled buffers of answered reads: any handler that runs comes after
@@ -944,7 +984,9 @@ class FileSystem:
         await self.fetcher.demand(handle, index)
         return self.cache.get_nowait(self.fetcher.key(handle, index), to_end=to_end)
 
-    async def _read_random(self, handle: Handle, offset: int, end: int) -> memoryview | None:
+    async def _read_random(
+        self, handle: Handle, offset: int, end: int, holds: list[Callable[[], None]] | None
+    ) -> memoryview | None:
         """Bytes [offset, end) for a random read, or None to read through the block cache
         (some of its blocks are cached or on their way there)."""
         bs = self.block_size
@@ -959,6 +1001,7 @@ class FileSystem:
             base = indexes[0] * bs
             nbytes = min(handle.size, (indexes[-1] + 1) * bs) - base
             await self.cache.replies.acquire(nbytes)
+            answered = False
             try:
                 buf = memoryview(bytearray(nbytes))
                 wanted = [(i, buf[i * bs - base : (i + 1) * bs - base]) for i in indexes]
@@ -969,9 +1012,13 @@ class FileSystem:
                     limiter=self.fetcher.disk_read_limiter,
                 )
                 if len(found) == len(indexes):
+                    answered = True
                     return buf[offset - base : end - base]
             finally:
-                self.cache.replies.release(nbytes)
+                if answered:
+                    self._release_share(nbytes, holds)
+                else:
+                    self.cache.replies.release(nbytes)
         start = offset // RANDOM_READ_ALIGN * RANDOM_READ_ALIGN
         stop = min(handle.size, ceil_div(end, RANDOM_READ_ALIGN) * RANDOM_READ_ALIGN)
 
@@ -983,13 +1030,18 @@ class FileSystem:
         # kernel (the shared bytes may be counted more than once: never less than once).
         nbytes = stop - start
         await self.cache.replies.acquire(nbytes)
+        answered = False
         try:
             if any(self.cache.is_cached_or_pending(k) for k in keys):
                 return None  # fetched by read-ahead or a neighbour while this read waited
             data = await self._range_flight.run((handle.key, handle.etag, start, stop), fetch)
+            answered = True
             return memoryview(data)[offset - start : end - start]
         finally:
-            self.cache.replies.release(nbytes)
+            if answered:
+                self._release_share(nbytes, holds)
+            else:
+                self.cache.replies.release(nbytes)
 
     async def _read_range(self, handle: Handle, start: int, length: int) -> bytes:
         """One GET outside the block cache, with the same stale-version handling."""

@@ -13,13 +13,18 @@ offers of ``ASYNC_READ``, ``PARALLEL_DIROPS``, ``DO_READDIRPLUS``, ``MAX_PAGES``
 ``congestion_threshold`` in the reply itself, and never ``WRITEBACK_CACHE``. What was
 negotiated is logged and kept in :attr:`KernelSession.negotiated` (``objfs status`` shows it).
 
-Threads: ``READERS`` threads each wait on their own clone of the session fd
-(``FUSE_DEV_IOC_CLONE``; the session fd itself where cloning is refused) and hand every
-request to the trio thread (``run_sync_soon``, which never blocks them); the trio thread runs
-the handler as a task against the core and writes the reply with one ``writev`` on the fd the
-request was read from (any other fd answers ENOENT). trio stays the only owner of the core's
-state. A reader waits in ``poll`` on its fd and a wake-up pipe, so :meth:`stop` ends every
-reader at once, even while files stay open on a detached mount.
+Threads: one reader thread waits on the session fd and hands every request to the trio
+thread (``run_sync_soon``, which never blocks it) in the order the kernel queued them;
+reading a request and handing it over costs microseconds. The trio thread runs the handler as
+a task against the core. A READ's reply goes to one of ``WRITERS`` threads, which write it
+with one ``writev`` outside the GIL: the copy into the page cache, most of a cold load's CPU,
+leaves the trio thread. The core keeps the reply's bytes valid and charged to the budget
+until the write is done (``FileSystem.read(holds=...)``: cached blocks pinned, pooled buffers
+kept), and the writer hands the holds back to the trio thread (``run_sync_soon``). Other
+replies are small and written by the trio thread. Every reply goes to the fd its request was
+read from (several threads may write to one fd). trio stays the only owner of the core's
+state. The reader waits in ``poll`` on the fd and a wake-up pipe, so :meth:`stop` ends it at
+once, even while files stay open on a detached mount.
 
 Invariants (tested against recorded request bytes and real mounts):
 
@@ -32,8 +37,6 @@ Invariants (tested against recorded request bytes and real mounts):
 * INTERRUPT cancels the request it names while it runs, which then answers EINTR;
 * the loop ends cleanly on unmount (ENODEV), DESTROY or :meth:`stop`.
 
-A reply may be a view of a cached block's buffer: it is written before the trio thread runs
-anything else, as with pyfuse3 (the copy into the page cache still runs on the trio thread).
 """
 
 from __future__ import annotations
@@ -42,9 +45,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
-import fcntl
 import logging
 import os
+import queue
 import select
 import socket
 import stat
@@ -65,9 +68,8 @@ from objfs.nursery import open_nursery
 
 log = logging.getLogger(__name__)
 
-# Reader threads: each waits on its own cloned fd. The trio thread does the work; readers only
-# move requests to it, so a few suffice for the kernel's queue of concurrent requests.
-READERS = 4
+# Threads that write READ replies: the copy into the page cache runs there, in parallel.
+WRITERS = 4
 # The largest write the kernel may send (none arrive: the mount is read-only); it sets the
 # size every read buffer must have (80 + max_write, at least 8 KiB).
 _MAX_WRITE = 4096
@@ -125,7 +127,6 @@ class Negotiated:
     max_pages: int = 0
     max_readahead: int = 0
     max_background: int = 0
-    clones: int = 0  # reader threads on cloned fds (0: all on the session fd)
     names: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
@@ -136,8 +137,7 @@ class Negotiated:
             "max_request_bytes": self.max_pages * _PAGE,
             "max_readahead_bytes": self.max_readahead,
             "max_background": self.max_background,
-            "reader_threads": READERS,
-            "cloned_fds": self.clones,
+            "reply_threads": WRITERS,
         }
 
 
@@ -179,12 +179,21 @@ class KernelSession:
         self._passed_fd = passed_fd
         self._fd = -1
         self._mounted_here = False
-        self._clones: list[int] = []
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._writers: list[threading.Thread] = []
         self._inflight: dict[int, trio.CancelScope] = {}
         self._done = trio.Event()
+        # READs enter the core in arrival order (see _take_turn).
+        self._read_seq = 0
+        self._read_turn = 0
+        self._skipped: set[int] = set()
+        self._turn_changed = trio.Event()
+        # READ replies for the writer threads: (fd, reply parts, holds), None to stop.
+        self._replies: queue.SimpleQueue[
+            tuple[int, list[bytes | bytearray | memoryview], list[Callable[[], None]]] | None
+        ] = queue.SimpleQueue()
 
     # -- mounting ------------------------------------------------------------------------
 
@@ -251,41 +260,29 @@ class KernelSession:
         if not await trio.to_thread.run_sync(self._init, abandon_on_cancel=True):
             return
         self.initialized.set()
-        fds = self._clone_fds()
         async with open_nursery() as nursery:
 
             def spawn(fd: int, data: bytes) -> None:
-                nursery.start_soon(self._handle, fd, data)
+                # READs are numbered as they arrive (run_sync_soon runs callbacks in order):
+                # see _take_turn.
+                seq = None
+                if len(data) >= 8 and struct.unpack_from("<I", data, 4)[0] == p.Opcode.READ:
+                    seq, self._read_seq = self._read_seq, self._read_seq + 1
+                nursery.start_soon(self._handle, fd, data, seq)
 
-            for i in range(READERS):
-                fd = fds[i % len(fds)]
+            for i in range(WRITERS):
                 t = threading.Thread(
-                    target=self._reader,
-                    args=(fd, token, spawn),
-                    name=f"objfs-fuse-{i}",
-                    daemon=True,
+                    target=self._writer, args=(token,), name=f"objfs-reply-{i}", daemon=True
                 )
                 t.start()
-                self._threads.append(t)
+                self._writers.append(t)
+            t = threading.Thread(
+                target=self._reader, args=(self._fd, token, spawn), name="objfs-fuse", daemon=True
+            )
+            t.start()
+            self._threads.append(t)
             await self._done.wait()
             nursery.cancel_scope.cancel()
-
-    def _clone_fds(self) -> list[int]:
-        """One clone of the session fd per reader, where the kernel allows it."""
-        for _ in range(READERS):
-            try:
-                clone = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-            except OSError:
-                break
-            try:
-                fcntl.ioctl(clone, p.DEV_IOC_CLONE, struct.pack("<I", self._fd))
-            except OSError as exc:
-                os.close(clone)
-                log.info("FUSE: cloned fds refused (%s); readers share the session fd", exc)
-                break
-            self._clones.append(clone)
-        self.negotiated.clones = len(self._clones)
-        return self._clones or [self._fd]
 
     def _poller(self, fd: int) -> select.poll:
         poller = select.poll()
@@ -390,6 +387,21 @@ class KernelSession:
             with contextlib.suppress(trio.RunFinishedError):
                 token.run_sync_soon(self._done.set)
 
+    def _writer(self, token: trio.lowlevel.TrioToken) -> None:
+        """(Thread) Write READ replies; give their holds back to the trio thread."""
+        while True:
+            job = self._replies.get()
+            if job is None:
+                return
+            fd, parts, holds = job
+            self._write(fd, parts)
+            del parts, job
+            if holds:
+                try:
+                    token.run_sync_soon(_run_holds, holds)
+                except trio.RunFinishedError:
+                    return
+
     def stop(self) -> None:
         """End the readers (thread-safe; the mount is removed by :meth:`close`)."""
         self._stopping.set()
@@ -404,8 +416,35 @@ class KernelSession:
             if exc.errno not in (errno.ENOENT, errno.ENODEV):
                 log.error("FUSE: writing a reply failed (%s)", exc)
 
-    async def _handle(self, fd: int, data: bytes) -> None:
-        """Parse one request, run its handler, write its reply (see the invariants)."""
+    async def _handle(self, fd: int, data: bytes, seq: int | None = None) -> None:
+        """Parse one request, run its handler, write its reply (see the invariants). ``seq``:
+        the number of a READ (see _take_turn), given up if the READ never takes its turn."""
+        try:
+            await self._handle_request(fd, data, seq)
+        finally:
+            if seq is not None and seq >= self._read_turn:
+                self._skip_turn(seq)
+
+    async def _take_turn(self, seq: int) -> None:
+        """Wait until every READ that arrived before READ ``seq`` has entered the core.
+
+        trio may start tasks spawned together in any order (it reverses batches at random),
+        and the core tells a sequential reader from a random one by the order its reads come
+        in: the kernel's read-ahead READ (offset 1 MiB) entering before the READ at 0 made a
+        cold 5 MiB read fetch 1 MiB twice in 6 of 8 runs. Taking turns keeps arrival order."""
+        while self._read_turn != seq:
+            await self._turn_changed.wait()
+
+    def _skip_turn(self, seq: int) -> None:
+        """READ ``seq`` has entered the core (or never will): the next one may."""
+        self._skipped.add(seq)
+        while self._read_turn in self._skipped:
+            self._skipped.discard(self._read_turn)
+            self._read_turn += 1
+        self._turn_changed.set()
+        self._turn_changed = trio.Event()
+
+    async def _handle_request(self, fd: int, data: bytes, seq: int | None) -> None:
         try:
             request = p.parse(data)
         except p.ProtocolError as exc:
@@ -423,6 +462,9 @@ class KernelSession:
         with trio.CancelScope() as scope:
             self._inflight[header.unique] = scope
             try:
+                if op == p.Opcode.READ and isinstance(request.args, p.Read):
+                    await self._read(fd, header.unique, request.args, seq)
+                    return
                 reply = await self._dispatch(request)
             except ObjfsError as exc:
                 log.log(exc.log_level, "%s: %s", _name(op), exc)
@@ -439,6 +481,25 @@ class KernelSession:
         self._write(fd, reply)
         if op == p.Opcode.DESTROY:
             self._done.set()
+
+    async def _read(self, fd: int, unique: int, args: p.Read, seq: int | None) -> None:
+        """A READ: the bytes from the core, held until a writer thread wrote the reply."""
+        holds: list[Callable[[], None]] = []
+        if seq is not None:
+            await self._take_turn(seq)
+        reading = self.fs.read(args.fh, args.offset, args.size, holds=holds)
+        if seq is not None:
+            # The next READ may run once this one suspends: by then it has entered the core
+            # (awaiting the coroutine runs it up to its first suspension).
+            self._skip_turn(seq)
+        try:
+            data = await reading
+        except BaseException:
+            _run_holds(holds)
+            raise
+        self.bytes_served += len(data)
+        self.reads += 1
+        self._replies.put((fd, [p.out_header(unique, len(data)), data], holds))
 
     def _no_reply(self, request: p.Request) -> None:
         args = request.args
@@ -471,11 +532,6 @@ class KernelSession:
         if op == p.Opcode.GETATTR:
             attrs = await fs.getattr(h.nodeid)
             return [p.reply(unique, p.attr_out(_attr(attrs), self.timeout_s))]
-        if op == p.Opcode.READ and isinstance(args, p.Read):
-            data = await fs.read(args.fh, args.offset, args.size)
-            self.bytes_served += len(data)
-            self.reads += 1
-            return [p.out_header(unique, len(data)), data]
         if op == p.Opcode.OPEN and isinstance(args, p.Open):
             fh, keep_cache = await fs.open(h.nodeid, args.flags)
             # Never DIRECT_IO: it would break mmap, which safetensors uses.
@@ -546,12 +602,12 @@ class KernelSession:
         self.stop()
         for t in self._threads:
             t.join(timeout=5)
+        for _ in self._writers:
+            self._replies.put(None)
+        for t in self._writers:
+            t.join(timeout=5)
         if unmount and self._mounted_here:
             self._unmount()
-        for fd in self._clones:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._clones = []
         if self._fd >= 0:
             with contextlib.suppress(OSError):
                 os.close(self._fd)
@@ -580,6 +636,15 @@ def _is_our_mount(target: str) -> bool:
 
     entry = mount_entry(target)
     return entry is not None
+
+
+def _run_holds(holds: list[Callable[[], None]]) -> None:
+    """(trio thread) Give back what a written reply held."""
+    for release in holds:
+        try:
+            release()
+        except Exception:
+            log.exception("giving back a reply's buffer failed")
 
 
 def _name(opcode: int) -> str:
