@@ -1,0 +1,156 @@
+"""The kernel transport's request handling without the kernel: recorded request bytes are fed
+to :class:`objfs.kernel.session.KernelSession` over a pipe standing in for ``/dev/fuse``, and
+the replies read back from it (the memory backend behind a real ``FileSystem``).
+
+What it checks: every request that expects a reply gets exactly one, with the errno pyfuse3
+would give (EROFS for mutations, ENOSYS for what objfs does not handle, EIO for a request
+that cannot be parsed); FORGET and INTERRUPT get none; an INTERRUPT cancels the request it
+names (EINTR); a READ is answered by a writer thread with the exact bytes, and its holds are
+given back once written.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import threading
+from collections.abc import Iterator
+
+import pytest
+import trio
+
+from objfs.backends.memory import MemoryBackend
+from objfs.config import MountConfig, parse_source
+from objfs.fs import ROOT_INODE, FileSystem
+from objfs.kernel import protocol as p
+from objfs.kernel.session import KernelSession
+
+MiB = 1 << 20
+
+
+def request(opcode: int, unique: int, nodeid: int, body: bytes = b"") -> bytes:
+    """A request as the kernel writes it: fuse_in_header (40 bytes) and the body."""
+    header = struct.pack("<IIQQIIIHH", 40 + len(body), opcode, unique, nodeid, 0, 0, 1, 0, 0)
+    return header + body
+
+
+@pytest.fixture
+def pipe() -> Iterator[tuple[int, int]]:
+    r, w = os.pipe()
+    os.set_blocking(r, False)
+    yield r, w
+    os.close(r)
+    os.close(w)
+
+
+def replies(fd: int) -> list[tuple[int, int, bytes]]:
+    """(unique, error, payload) of every reply written to the pipe so far."""
+    try:
+        data = os.read(fd, 1 << 22)
+    except BlockingIOError:
+        return []
+    out = []
+    while data:
+        length, error, unique = struct.unpack_from("<IiQ", data)
+        out.append((unique, error, data[16:length]))
+        data = data[length:]
+    return out
+
+
+def make_session(backend: MemoryBackend) -> KernelSession:
+    config = MountConfig(source=parse_source("s3://bkt/p"), mountpoint="/unused")
+    return KernelSession(FileSystem(backend, config), config, passed_fd=None)
+
+
+async def test_requests_get_one_reply_with_pyfuse3s_errnos(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    backend = MemoryBackend()
+    backend.put("p/a.bin", b"hello")
+    session = make_session(backend)
+    # LOOKUP of an existing and a missing name.
+    await session._handle(w, request(p.Opcode.LOOKUP, 1, ROOT_INODE, b"a.bin\0"))
+    await session._handle(w, request(p.Opcode.LOOKUP, 2, ROOT_INODE, b"nope\0"))
+    got = replies(r)
+    assert [(u, e) for u, e, _ in got] == [(1, 0), (2, 0)]
+    nodeid = struct.unpack_from("<Q", got[0][2])[0]
+    assert nodeid > ROOT_INODE
+    assert struct.unpack_from("<Q", got[1][2])[0] == 0  # a negative entry, cached
+    # Mutations: EROFS. Unhandled: ENOSYS. Malformed: EIO. FORGET: no reply.
+    await session._handle(w, request(p.Opcode.MKDIR, 3, ROOT_INODE, b"\0" * 8 + b"d\0"))
+    await session._handle(w, request(p.Opcode.UNLINK, 4, ROOT_INODE, b"a.bin\0"))
+    await session._handle(w, request(p.Opcode.GETXATTR, 5, nodeid, b"\0" * 8 + b"user.x\0"))
+    await session._handle(w, request(9999, 6, ROOT_INODE))
+    await session._handle(w, request(p.Opcode.LOOKUP, 7, ROOT_INODE, b"no-nul"))
+    await session._handle(w, request(p.Opcode.FORGET, 8, nodeid, struct.pack("<Q", 1)))
+    await session._handle(w, b"\x01\x02")  # not even a header: nothing to answer
+    assert [(u, e) for u, e, _ in replies(r)] == [
+        (3, -errno.EROFS),
+        (4, -errno.EROFS),
+        (5, -errno.ENOSYS),
+        (6, -errno.ENOSYS),
+        (7, -errno.EIO),
+    ]
+
+
+async def test_a_read_is_written_by_a_writer_thread_and_its_holds_given_back(
+    pipe: tuple[int, int],
+) -> None:
+    r, w = pipe
+    backend = MemoryBackend()
+    data = os.urandom(3 * MiB + 5)
+    backend.put("p/w.bin", data)
+    session = make_session(backend)
+    token = trio.lowlevel.current_trio_token()
+    writer = threading.Thread(target=session._writer, args=(token,))
+    writer.start()
+    try:
+        async with trio.open_nursery() as nursery:
+            session.fs.start(nursery)
+            await session._handle(w, request(p.Opcode.LOOKUP, 1, ROOT_INODE, b"w.bin\0"))
+            nodeid = struct.unpack_from("<Q", replies(r)[0][2])[0]
+            await session._handle(w, request(p.Opcode.OPEN, 2, nodeid, struct.pack("<II", 0, 0)))
+            (_, error, payload) = replies(r)[0]
+            assert error == 0
+            fh, open_flags = struct.unpack_from("<QI", payload)
+            assert open_flags & p.FOPEN_KEEP_CACHE
+            got = bytearray()
+            unique = 10
+            for offset in range(0, len(data), MiB):
+                body = struct.pack("<QQIIQII", fh, offset, MiB, 0, 0, 0, 0)
+                await session._handle(w, request(p.Opcode.READ, unique, nodeid, body), unique - 10)
+                unique += 1
+                # The writer thread answers (a reply is larger than the pipe: read as it comes).
+                frame = bytearray()
+                while len(frame) < 16 or len(frame) < struct.unpack_from("<I", frame)[0]:
+                    try:
+                        frame += os.read(r, 1 << 20)
+                    except BlockingIOError:
+                        await trio.sleep(0.005)
+                length, error, answered = struct.unpack_from("<IiQ", frame)
+                assert (error, answered, length) == (0, unique - 1, len(frame))
+                got += frame[16:]
+            assert bytes(got) == data
+            await trio.sleep(0.05)  # the holds come back through run_sync_soon
+            stats = session.fs.cache.statistics()
+            assert stats["held_bytes"] == 0
+            assert stats["reply_bytes"] == 0
+            assert session.reads == 4
+            assert session.bytes_served == len(data)
+            nursery.cancel_scope.cancel()
+    finally:
+        session._replies.put(None)
+        writer.join(timeout=5)
+
+
+async def test_an_interrupt_cancels_the_request_it_names(pipe: tuple[int, int]) -> None:
+    r, w = pipe
+    backend = MemoryBackend(latency_s=30.0)  # a listing that would take 30 s
+    backend.put("p/a.bin", b"x")
+    session = make_session(backend)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(session._handle, w, request(p.Opcode.LOOKUP, 41, ROOT_INODE, b"a\0"))
+        await trio.sleep(0.05)
+        assert replies(r) == []
+        await session._handle(w, request(p.Opcode.INTERRUPT, 42, 0, struct.pack("<Q", 41)))
+    assert [(u, e) for u, e, _ in replies(r)] == [(41, -errno.EINTR)]
