@@ -269,6 +269,8 @@ class DiskCache:
         self.min_free_bytes = min_free_bytes
         self.enabled = True
         self._lock = threading.Lock()
+        # Versions whose every block was read and verified (see whole_version_file).
+        self._verified: set[str] = set()
         self._evicting = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # digest -> entry, LRU first
         self._total = 0  # sum of the index's allocated bytes
@@ -539,6 +541,44 @@ class DiskCache:
         with self._lock:
             self.writes += stored
         return stored
+
+    def whole_version_file(self, key: str, etag: str, size: int) -> str | None:
+        """The data file of version (key, etag) when it holds exactly the object's ``size``
+        bytes, for the kernel to serve by FUSE passthrough (which checks no hash); else None.
+
+        Exactly: every block is listed in the table and, once per process and version, read
+        and verified against its hash (a damaged block is dropped on the way, so normal reads
+        fetch and rewrite it, and this answers None); the file is cut to ``size`` (an
+        O_DIRECT write pads the last block to a page), so it has no padding past the object's
+        end, and no holes (block ``i`` fills ``[i * block_size, ...)``). Blocks that are
+        listed are never written again, so the bytes under a passthrough file do not change;
+        eviction unlinks the file, and the kernel keeps reading the unlinked one."""
+        if not self.enabled or size <= 0:
+            return None
+        bs = self.block_size
+        lengths = [min(bs, size - i * bs) for i in range((size + bs - 1) // bs)]
+        if self.missing_bytes(key, etag, lengths):
+            return None
+        v = self._version(key, etag)
+        if v.digest not in self._verified:
+            chunk = 8  # blocks verified per read: 8 MiB of buffer, reused
+            view = memoryview(bytearray(chunk * bs))
+            for first in range(0, len(lengths), chunk):
+                indexes = list(range(first, min(len(lengths), first + chunk)))
+                outs = [view[(i - first) * bs : (i - first) * bs + lengths[i]] for i in indexes]
+                if len(self.read_blocks_into(key, etag, indexes, outs)) != len(indexes):
+                    return None
+            with self._lock:
+                self._verified.add(v.digest)
+        try:
+            st = os.stat(v.data_path)
+            if st.st_size > size:
+                os.truncate(v.data_path, size)
+            elif st.st_size < size:
+                return None
+        except OSError:
+            return None
+        return v.data_path
 
     def missing_bytes(self, key: str, etag: str, lengths: Sequence[int]) -> int:
         """How many bytes of version (key, etag), whose blocks 0, 1, ... have ``lengths``,

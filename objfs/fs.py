@@ -745,8 +745,24 @@ class FileSystem:
         self._next_fh += 1
         return fh
 
-    async def open(self, inode: int, flags: int) -> tuple[int, bool]:
-        """Open for reading; returns (fh, keep_cache).
+    async def whole_on_disk(self, inode: int) -> str | None:
+        """The disk tier's file that holds exactly this file version's bytes, verified, for
+        the kernel to read itself (FUSE passthrough); None when there is none (see
+        :meth:`objfs.disk_cache.DiskCache.whole_version_file`)."""
+        node = self.node(inode)
+        if node.is_dir or node.size == 0 or self.disk is None or not self.disk.enabled:
+            return None
+        return await trio.to_thread.run_sync(
+            self.disk.whole_version_file,
+            node.key,
+            node.etag,
+            node.size,
+            limiter=self.fetcher.disk_read_limiter,
+        )
+
+    async def open(self, inode: int, flags: int, *, prefetch: bool = True) -> tuple[int, bool]:
+        """Open for reading; returns (fh, keep_cache). ``prefetch=False``: the kernel reads
+        the file elsewhere (passthrough), so nothing is fetched ahead for this open.
 
         ``keep_cache`` is always True: an inode is one version, so its pages in the kernel's
         page cache are this version's and re-opens are served from there. Opening a version
@@ -778,7 +794,7 @@ class FileSystem:
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
         self._share_windows()
-        if first_open and node.key.endswith(self.config.prefetch_on_open_suffixes):
+        if prefetch and first_open and node.key.endswith(self.config.prefetch_on_open_suffixes):
             whole = readahead.start_whole_file()
             if whole is not None:
                 # Not tied to this handle: loaders often open a shard once for its header and

@@ -405,7 +405,11 @@ class Telemetry:
         negotiated = getattr(self.ops, "negotiated", None)
         if negotiated is None:
             return {"transport": "pyfuse3"}
-        return dict(negotiated.as_dict())
+        return {
+            **negotiated.as_dict(),
+            "passthrough": bool(getattr(self.ops, "passthrough", False)),
+            "passthrough_opens": int(getattr(self.ops, "passthrough_opens", 0)),
+        }
 
     def snapshot(self) -> dict[str, Any]:
         """Every figure, as the status file holds it."""

@@ -219,6 +219,12 @@ def format_status(s: dict[str, Any]) -> str:
         lines.append(
             f"  fuse          kernel transport, protocol {fuse.get('protocol')}, requests up to "
             f"{_size(fuse.get('max_request_bytes', 0))}; {' '.join(fuse.get('flags', []))}"
+            + (
+                f"; {fuse.get('passthrough_opens', 0)} opens served by the kernel from the disk "
+                "cache (passthrough)"
+                if fuse.get("passthrough")
+                else ""
+            )
         )
     elif fuse:
         lines.append(f"  fuse          {fuse.get('transport')} transport")

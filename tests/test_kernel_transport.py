@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -194,3 +195,50 @@ def test_sigterm_with_files_open_ends_the_daemon_cleanly(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_passthrough_serves_a_version_whole_in_the_disk_cache(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Warmed into the disk cache, a file is read by the kernel from the cache file itself:
+    the daemon answers no READ while it is read whole and through mmap, bytes exact. A file
+    open before it was whole stays cached until its last close."""
+    from tests.conftest import cached_mount_command, run_mount
+
+    data = os.urandom(6 * MiB + 4097)
+    other = os.urandom(3 * MiB + 1)
+    put_many(s3, bucket, {"m/w.safetensors": data, "m/other.bin": other})
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+    with run_mount([*cmd, *KERNEL], mountpoint, tmp_path / "mount.out") as m:
+        assert "FUSE passthrough off" not in (tmp_path / "objfs.log").read_text()
+
+        def fuse_status() -> dict[str, Any]:
+            """The daemon's figures, once its status file was rewritten (every second)."""
+            time.sleep(1.5)
+            status = run_objfs("status", str(m.path), "--json")
+            assert status.returncode == 0, status.stderr
+            return dict(json.loads(status.stdout))
+
+        def reads() -> int:
+            return int(fuse_status()["served"]["reads"])
+
+        # other.bin: opened (cached mode) before it is whole; stays cached while open.
+        held = open(m.path / "other.bin", "rb")  # noqa: SIM115
+        try:
+            warmed = run_objfs("warm", "--cache-only", str(m.path / "w.safetensors"))
+            assert warmed.returncode == 0, warmed.stderr
+            before = reads()
+            assert sha256((m.path / "w.safetensors").read_bytes()) == sha256(data)
+            with open(m.path / "w.safetensors", "rb") as fp:
+                with mmap.mmap(fp.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                    assert sha256(mapped[:]) == sha256(data)
+                fp.seek(5 * MiB + 3)
+                assert fp.read(MiB) == data[5 * MiB + 3 : 6 * MiB + 3]
+            assert os.stat(m.path / "w.safetensors").st_size == len(data)
+            assert reads() == before  # the kernel read the cache file, not the daemon
+            fuse = fuse_status()["fuse"]
+            assert "PASSTHROUGH" in fuse["flags"]
+            assert fuse["passthrough_opens"] == 2  # read_bytes, and the mmap's and seek's open
+            assert held.read() == other
+        finally:
+            held.close()

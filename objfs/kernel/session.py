@@ -45,6 +45,7 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import fcntl
 import logging
 import os
 import queue
@@ -97,6 +98,10 @@ _MUTATIONS = frozenset(
 )
 # Requests that get no reply.
 _NO_REPLY = frozenset({p.Opcode.FORGET, p.Opcode.BATCH_FORGET, p.Opcode.INTERRUPT})
+# Requests answered as they arrive, without a task (see KernelSession.serve).
+_AT_ONCE = frozenset(
+    {p.Opcode.RELEASE, p.Opcode.RELEASEDIR, p.Opcode.FORGET, p.Opcode.BATCH_FORGET}
+)
 # What objfs asks for when the kernel offers it.
 _WANTED = (
     p.ASYNC_READ
@@ -185,6 +190,10 @@ class KernelSession:
         self._writers: list[threading.Thread] = []
         self._inflight: dict[int, trio.CancelScope] = {}
         self._done = trio.Event()
+        # Open inodes: their I/O mode and, in passthrough, their backing id.
+        self._io: dict[int, _InodeIO] = {}
+        self.passthrough = False  # negotiated (see _answer_init)
+        self.passthrough_opens = 0
         # READs enter the core in arrival order (see _take_turn).
         self._read_seq = 0
         self._read_turn = 0
@@ -263,10 +272,17 @@ class KernelSession:
         async with open_nursery() as nursery:
 
             def spawn(fd: int, data: bytes) -> None:
-                # READs are numbered as they arrive (run_sync_soon runs callbacks in order):
-                # see _take_turn.
+                # Callbacks of run_sync_soon run in order, so requests are seen here in the
+                # order they arrived. Releases and forgets are answered at once: they never
+                # wait, and an OPEN that follows a close must see its release (passthrough
+                # needs an inode with no cached-mode open; trio may start tasks spawned
+                # together in either order). READs are numbered: see _take_turn.
+                opcode = struct.unpack_from("<I", data, 4)[0] if len(data) >= 8 else -1
+                if opcode in _AT_ONCE:
+                    self._answer_at_once(fd, data)
+                    return
                 seq = None
-                if len(data) >= 8 and struct.unpack_from("<I", data, 4)[0] == p.Opcode.READ:
+                if opcode == p.Opcode.READ:
                     seq, self._read_seq = self._read_seq, self._read_seq + 1
                 nursery.start_soon(self._handle, fd, data, seq)
 
@@ -343,6 +359,12 @@ class KernelSession:
 
     def _answer_init(self, unique: int, init: p.Init) -> None:
         flags = init.flags & _WANTED
+        why_not = self._passthrough_refusal(init)
+        if why_not is None:
+            flags |= p.PASSTHROUGH
+        else:
+            log.info("FUSE passthrough off: %s", why_not)
+        self.passthrough = why_not is None
         minor = min(init.minor, p.KERNEL_MINOR_VERSION)
         max_pages = _max_pages_limit() if flags & p.MAX_PAGES else 0
         background = self.config.max_background
@@ -354,6 +376,7 @@ class KernelSession:
             congestion_threshold=background * 3 // 4,
             max_write=_MAX_WRITE,
             max_pages=max_pages,
+            max_stack_depth=1 if self.passthrough else 0,
         )
         self._write(self._fd, [p.reply(unique, reply)])
         n = self.negotiated
@@ -367,6 +390,16 @@ class KernelSession:
             (max_pages or 32) * _PAGE // 1024,
             background,
         )
+
+    def _passthrough_refusal(self, init: p.Init) -> str | None:
+        """Why the kernel will not serve cached versions itself (None: it will)."""
+        if self.fs.disk is None:
+            return "no --cache-dir (passthrough serves versions whole in the disk cache)"
+        if not init.flags & p.PASSTHROUGH or not init.flags & p.INIT_EXT:
+            return "the kernel does not offer it (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)"
+        if not _has_cap_sys_admin():
+            return "no CAP_SYS_ADMIN (the kernel registers backing files only for it)"
+        return None
 
     def _reader(self, fd: int, token: trio.lowlevel.TrioToken, spawn: Callable[..., None]) -> None:
         """(Thread) Move requests from ``fd`` to the trio thread until the connection ends."""
@@ -501,6 +534,36 @@ class KernelSession:
         self.reads += 1
         self._replies.put((fd, [p.out_header(unique, len(data)), data], holds))
 
+    def _answer_at_once(self, fd: int, data: bytes) -> None:
+        """(trio thread, in arrival order) RELEASE, RELEASEDIR, FORGET, BATCH_FORGET: no
+        await in them, so they are answered here rather than in a task."""
+        try:
+            request = p.parse(data)
+        except p.ProtocolError as exc:
+            log.error("FUSE: a malformed request (%s): answering EIO", exc)
+            if len(data) >= p.IN_HEADER_SIZE:
+                self._write(fd, [p.reply_error(struct.unpack_from("<Q", data, 8)[0], errno.EIO)])
+            return
+        op, args, unique = request.header.opcode, request.args, request.header.unique
+        if op in _NO_REPLY:
+            self._no_reply(request)
+            return
+        try:
+            if op == p.Opcode.RELEASE and isinstance(args, p.Release):
+                inode = self.fs.handle_inode(args.fh)
+                self.fs.release(args.fh)
+                self._closed(inode)
+            elif op == p.Opcode.RELEASEDIR and isinstance(args, p.Release):
+                self.fs.releasedir(args.fh)
+            reply = p.reply(unique)
+        except ObjfsError as exc:
+            log.log(exc.log_level, "%s: %s", _name(op), exc)
+            reply = p.reply_error(unique, exc.errno)
+        except Exception:
+            log.exception("unexpected error in %s; answering EIO", _name(op))
+            reply = p.reply_error(unique, errno.EIO)
+        self._write(fd, [reply])
+
     def _no_reply(self, request: p.Request) -> None:
         args = request.args
         try:
@@ -533,11 +596,11 @@ class KernelSession:
             attrs = await fs.getattr(h.nodeid)
             return [p.reply(unique, p.attr_out(_attr(attrs), self.timeout_s))]
         if op == p.Opcode.OPEN and isinstance(args, p.Open):
-            fh, keep_cache = await fs.open(h.nodeid, args.flags)
-            # Never DIRECT_IO: it would break mmap, which safetensors uses.
-            return [p.reply(unique, p.open_out(fh, p.FOPEN_KEEP_CACHE if keep_cache else 0))]
+            return [p.reply(unique, await self._open(h.nodeid, args.flags))]
         if op == p.Opcode.RELEASE and isinstance(args, p.Release):
+            inode = fs.handle_inode(args.fh)
             fs.release(args.fh)
+            self._closed(inode)
             return [p.reply(unique)]
         if op == p.Opcode.OPENDIR:
             return [p.reply(unique, p.open_out(await fs.opendir(h.nodeid), 0))]
@@ -572,6 +635,65 @@ class KernelSession:
         if op == p.Opcode.INIT:
             return [p.reply_error(unique, errno.EIO)]  # a second INIT
         return [p.reply_error(unique, errno.ENOSYS)]
+
+    async def _open(self, inode: int, flags: int) -> bytes:
+        """OPEN: passthrough to the disk tier's file when the version is whole there and the
+        inode is not open in cached mode; else cached (keep_cache). The kernel refuses to mix
+        the two modes on one inode, and needs one backing file per inode while any
+        passthrough open lasts: the first passthrough open registers it, the last release
+        closes it."""
+        io = self._io.get(inode)
+        path = None
+        if self.passthrough and (io is None or io.backing_id is not None):
+            path = await self.fs.whole_on_disk(inode)
+            io = self._io.get(inode)  # other opens may have run meanwhile
+            if io is not None and io.backing_id is None:
+                path = None
+        fh, keep_cache = await self.fs.open(inode, flags, prefetch=path is None)
+        log.debug("open of inode %d: %s", inode, "passthrough" if path else "cached")
+        if path is not None:
+            try:
+                backing_id = io.backing_id if io is not None else self._register(path)
+            except OSError as exc:
+                log.warning("FUSE passthrough of %s refused (%s): serving it", path, exc)
+                backing_id = None
+            if backing_id is not None:
+                if io is None:
+                    io = self._io[inode] = _InodeIO(backing_id)
+                io.opens += 1
+                self.passthrough_opens += 1
+                return p.open_out(fh, p.FOPEN_PASSTHROUGH, backing_id)
+        if io is None:
+            io = self._io[inode] = _InodeIO(None)
+        io.opens += 1
+        # Never DIRECT_IO: it would break mmap, which safetensors uses.
+        return p.open_out(fh, p.FOPEN_KEEP_CACHE if keep_cache else 0)
+
+    def _register(self, path: str) -> int:
+        """A backing id for ``path`` (FUSE_DEV_IOC_BACKING_OPEN; the kernel keeps its own
+        reference to the file, so the fd is closed at once)."""
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            return int(fcntl.ioctl(self._fd, p.DEV_IOC_BACKING_OPEN, bytearray(p.backing_map(fd))))
+        finally:
+            os.close(fd)
+
+    def _closed(self, inode: int) -> None:
+        """A handle of ``inode`` was released: after the last one, its backing id goes."""
+        io = self._io.get(inode)
+        if io is None:
+            return
+        io.opens -= 1
+        if io.opens > 0:
+            return
+        del self._io[inode]
+        if io.backing_id is not None:
+            try:
+                fcntl.ioctl(
+                    self._fd, p.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<i", io.backing_id))
+                )
+            except OSError as exc:
+                log.warning("FUSE: closing backing id %d failed (%s)", io.backing_id, exc)
 
     def _readdir(self, args: p.Read, *, plus: bool) -> bytes:
         """Entries from offset ``args.offset`` that fit ``args.size`` bytes; with ``plus``
@@ -636,6 +758,27 @@ def _is_our_mount(target: str) -> bool:
 
     entry = mount_entry(target)
     return entry is not None
+
+
+@dataclass
+class _InodeIO:
+    """How an open inode is read: cached (``backing_id`` None) or by passthrough."""
+
+    backing_id: int | None
+    opens: int = 0
+
+
+def _has_cap_sys_admin() -> bool:
+    """Whether this process holds CAP_SYS_ADMIN (bit 21 of CapEff), which passthrough
+    needs (in the initial user namespace)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) >> 21 & 1)
+    except (OSError, ValueError):
+        pass
+    return False
 
 
 def _run_holds(holds: list[Callable[[], None]]) -> None:
