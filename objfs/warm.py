@@ -206,13 +206,16 @@ def plan(files: list[tuple[str, int]]) -> list[list[tuple[str, int]]]:
 
 
 def warm(
-    paths: list[str], *, jobs: int = 8, out: TextIO = sys.stderr, cache_only: bool = False
+    paths: list[str], *, jobs: int = 8, out: TextIO | None = None, cache_only: bool = False
 ) -> int:
     """Read every file under ``paths``; returns the bytes read. Raises WarmIncompleteError
     (after reading everything else) if some files could not be read. ``cache_only``: into
     objfs's caches only (see the module docstring); raises UsageError if the mount cannot,
     and WarmIncompleteError if its disk cache could not keep everything asked (see
-    ``not_stored_message``)."""
+    ``not_stored_message``). ``out``: where progress goes, ``sys.stderr`` as it is at the
+    call (a default bound at import would keep a stream replaced since)."""
+    if out is None:
+        out = sys.stderr
     files = collect(paths)
     total = sum(size for _, size in files)
     progress = Progress(total)

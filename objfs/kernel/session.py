@@ -215,9 +215,12 @@ class KernelSession:
         fsname = self.config.source.url().replace(",", "%2C").replace(" ", "%20")
         if os.geteuid() == 0:
             fd = os.open("/dev/fuse", os.O_RDWR | os.O_CLOEXEC)
-            uid = os.getuid() if self.config.uid is None else self.config.uid
-            gid = os.getgid() if self.config.gid is None else self.config.gid
-            data = f"fd={fd},rootmode=40000,user_id={uid},group_id={gid},default_permissions"
+            # user_id/group_id: who may use the mount without allow_other (its owner, this
+            # process; --uid/--gid only set the files' owner).
+            data = (
+                f"fd={fd},rootmode=40000,user_id={os.getuid()},group_id={os.getgid()},"
+                "default_permissions"
+            )
             if self.config.allow_other:
                 data += ",allow_other"
             flags = _MS_RDONLY | _MS_NOSUID | _MS_NODEV | _MS_NOATIME
