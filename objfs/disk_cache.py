@@ -547,8 +547,10 @@ class DiskCache:
         bytes, for the kernel to serve by FUSE passthrough (which checks no hash); else None.
 
         Exactly: every block is listed in the table and, once per process and version, read
-        and verified against its hash (a damaged block is dropped on the way, so normal reads
-        fetch and rewrite it, and this answers None); the file is cut to ``size`` (an
+        and verified against its hash (a damaged block is dropped, so normal reads fetch and
+        rewrite it, and this answers None); the verification reads through the page cache, so
+        the kernel's passthrough reads that follow find the bytes there (one disk read in
+        all, where O_DIRECT would have made it two); the file is cut to ``size`` (an
         O_DIRECT write pads the last block to a page), so it has no padding past the object's
         end, and no holes (block ``i`` fills ``[i * block_size, ...)``). Blocks that are
         listed are never written again, so the bytes under a passthrough file do not change;
@@ -561,13 +563,11 @@ class DiskCache:
             return None
         v = self._version(key, etag)
         if v.digest not in self._verified:
-            chunk = 8  # blocks verified per read: 8 MiB of buffer, reused
-            view = memoryview(bytearray(chunk * bs))
-            for first in range(0, len(lengths), chunk):
-                indexes = list(range(first, min(len(lengths), first + chunk)))
-                outs = [view[(i - first) * bs : (i - first) * bs + lengths[i]] for i in indexes]
-                if len(self.read_blocks_into(key, etag, indexes, outs)) != len(indexes):
-                    return None
+            bad = self._first_bad_block(v, lengths)
+            if bad is not None:
+                # Read it the usual way, which finds the damage and drops the block.
+                self.read_blocks(key, etag, [bad], [lengths[bad]])
+                return None
             with self._lock:
                 self._verified.add(v.digest)
         try:
@@ -579,6 +579,33 @@ class DiskCache:
         except OSError:
             return None
         return v.data_path
+
+    def _first_bad_block(self, v: _Version, lengths: Sequence[int]) -> int | None:
+        """The first block of ``v`` whose bytes (read buffered) do not match its table entry,
+        or None when all do. Any failure to read counts as block 0 being bad."""
+        bs = self.block_size
+        try:
+            with open(v.index_path, "rb", buffering=0) as table_file:
+                table = table_file.read()[v.table_offset :]
+            with open(v.data_path, "rb", buffering=0) as data_file:
+                chunk = 8  # blocks per read: 8 MiB of buffer, reused
+                buf = bytearray(chunk * bs)
+                view = memoryview(buf)
+                for first in range(0, len(lengths), chunk):
+                    n = data_file.readinto(view)  # sequential: the kernel reads ahead
+                    for index in range(first, min(len(lengths), first + chunk)):
+                        at = (index - first) * bs
+                        raw = table[index * _ENTRY.size : (index + 1) * _ENTRY.size]
+                        if len(raw) != _ENTRY.size or n < at + lengths[index]:
+                            return index
+                        length, data_hash, _ = _ENTRY.unpack(raw)
+                        if length != lengths[index]:
+                            return index
+                        if _hash(view[at : at + length]) != data_hash:
+                            return index
+        except OSError:
+            return 0
+        return None
 
     def missing_bytes(self, key: str, etag: str, lengths: Sequence[int]) -> int:
         """How many bytes of version (key, etag), whose blocks 0, 1, ... have ``lengths``,

@@ -242,3 +242,10 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
             assert held.read() == other
         finally:
             held.close()
+        # other.bin was served in cached mode: its bytes are in the kernel's page cache of
+        # the inode, so it stays cached even once whole on disk (a passthrough open would
+        # read them from the disk again).
+        warmed = run_objfs("warm", "--cache-only", str(m.path / "other.bin"))
+        assert warmed.returncode == 0, warmed.stderr
+        assert (m.path / "other.bin").read_bytes() == other
+        assert fuse_status()["fuse"]["passthrough_opens"] == 2
