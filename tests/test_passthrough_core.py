@@ -1,0 +1,87 @@
+"""What the kernel may read by FUSE passthrough: ``DiskCache.whole_version_file`` and
+``FileSystem.whole_on_disk``, on the core (memory backend, a real disk-cache directory).
+
+The kernel checks no hash, so a file is offered only when it holds exactly the version's
+bytes: every block listed and verified, no padding past the end; a damaged block is no
+passthrough, and normal reads then repair it; an inode served in cached mode stays cached.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import trio
+
+from objfs.backends.memory import MemoryBackend
+from objfs.fs import FileSystem
+from tests.test_read_path import (
+    config,
+    damage_blocks,
+    disk_cache,
+    open_file,
+    read_all,
+    settle,
+)
+
+MiB = 1 << 20
+
+
+async def test_a_damaged_block_is_no_passthrough_until_normal_reads_repair_it(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    data = os.urandom(5 * MiB + 4097)  # the last block O_DIRECT would pad to a page
+    backend = MemoryBackend()
+    etag = backend.put("p/f.bin", data)
+    cache = disk_cache(tmp_path / "c")
+    fs = FileSystem(backend, config(), cache)
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    assert await read_all(fs, fh, len(data)) == data
+    inode = fs.handle_inode(fh)
+    fs.release(fh)
+    await fs.flush_disk_writes()
+    await settle()
+    # A second mount (nothing served in cached mode yet) with a flipped byte in block 2.
+    damage_blocks(cache, "p/f.bin", etag, [2], "flip")
+    cache2 = disk_cache(tmp_path / "c")
+    fs2 = FileSystem(backend, config(), cache2)
+    fs2.start(nursery)
+    node = await fs2.lookup(1, b"f.bin")
+    assert await fs2.whole_on_disk(node.inode) is None  # found, and the block dropped
+    assert cache2.missing_bytes("p/f.bin", etag, [MiB] * 5 + [4097]) == MiB
+    # A third mount: normal reads fetch block 2 again and write it back; then the file
+    # holds exactly the object's bytes and is offered.
+    fs3 = FileSystem(backend, config(), disk_cache(tmp_path / "c"))
+    fs3.start(nursery)
+    fh3 = await open_file(fs3, "f.bin")
+    assert await read_all(fs3, fh3, len(data)) == data
+    fs3.release(fh3)
+    await fs3.flush_disk_writes()
+    await settle()
+    fs4 = FileSystem(backend, config(), disk_cache(tmp_path / "c"))
+    fs4.start(nursery)
+    node4 = await fs4.lookup(1, b"f.bin")
+    path = await fs4.whole_on_disk(node4.inode)
+    assert path is not None
+    exact = await trio.to_thread.run_sync(Path(path).read_bytes)
+    assert exact == data  # exactly the bytes: no padding, no hole
+    # On the first mount the inode was served in cached mode: it stays cached there.
+    assert await fs.whole_on_disk(inode) is None
+
+
+async def test_a_version_not_whole_on_disk_is_no_passthrough(tmp_path: Path) -> None:
+    data = os.urandom(3 * MiB)
+    backend = MemoryBackend()
+    etag = backend.put("p/g.bin", data)
+    cache = disk_cache(tmp_path / "c")
+    assert cache.write_blocks("p/g.bin", etag, 0, [data[:MiB], data[MiB : 2 * MiB]]) == 2
+    fs = FileSystem(backend, config(), cache)
+    node = await fs.lookup(1, b"g.bin")
+    assert await fs.whole_on_disk(node.inode) is None  # block 2 is missing
+    assert cache.write_blocks("p/g.bin", etag, 2, [data[2 * MiB :]]) == 1
+    assert await fs.whole_on_disk(node.inode) is not None
+    # Without a disk tier there is nothing to offer.
+    fs2 = FileSystem(backend, config())
+    node2 = await fs2.lookup(1, b"g.bin")
+    assert await fs2.whole_on_disk(node2.inode) is None
