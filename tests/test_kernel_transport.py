@@ -249,3 +249,60 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
         assert warmed.returncode == 0, warmed.stderr
         assert (m.path / "other.bin").read_bytes() == other
         assert fuse_status()["fuse"]["passthrough_opens"] == 2
+
+
+def test_a_killed_daemon_leaves_passthrough_readers_reading_their_version(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """kill -9 of the daemon while a file is open by passthrough: the FUSE connection ends,
+    but the kernel reads that file from its backing file and needs no daemon, so the open
+    handle goes on reading the right bytes; a new open fails (ENOTCONN)."""
+    from tests.conftest import cached_mount_command, wait_mounted
+
+    data = os.urandom(4 * MiB + 17)
+    put_many(s3, bucket, {"m/k.bin": data})
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+    log_path = tmp_path / "objfs.log"
+    proc = subprocess.Popen([*cmd, *KERNEL], stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = None
+    try:
+        wait_mounted(mountpoint, proc, log_path)
+        warmed = run_objfs("warm", "--cache-only", str(mountpoint / "k.bin"))
+        assert warmed.returncode == 0, warmed.stderr
+        code = (
+            "import hashlib, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "print(hashlib.sha256(os.pread(fd, 1 << 20, 0)).hexdigest(), flush=True)\n"
+            "sys.stdin.readline()\n"
+            "try:\n"
+            "    rest = os.pread(fd, 1 << 30, 1 << 20)\n"
+            "    print(hashlib.sha256(rest).hexdigest(), flush=True)\n"
+            "except OSError as exc:\n"
+            "    print('errno', exc.errno, flush=True)\n"
+        )
+        holder = subprocess.Popen(
+            [sys.executable, "-c", code, str(mountpoint / "k.bin")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stdin is not None
+        assert holder.stdout.readline().strip() == sha256(data[:MiB])
+        proc.kill()
+        proc.wait(timeout=30)
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out, _ = holder.communicate(timeout=60)
+        assert out.strip() == sha256(data[MiB:])
+        with pytest.raises(OSError, match="not connected") as caught:
+            os.open(mountpoint / "k.bin", os.O_RDONLY)
+        assert caught.value.errno == errno.ENOTCONN
+    finally:
+        if holder is not None and holder.poll() is None:
+            holder.kill()
+            holder.communicate()
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
