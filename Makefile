@@ -77,8 +77,14 @@ format: setup
 	$(VENV)/bin/ruff check --fix objfs tests
 	$(VENV)/bin/ruff format objfs tests
 
+# The whole suite on the default transport (kernel), then the mount-semantics, fault and CSI
+# suites again on the fallback (pyfuse3).
+PYFUSE3_SUITES := tests/test_mount_s3.py tests/test_faults.py tests/test_integrity.py \
+  tests/test_review_mount.py tests/test_csi.py tests/test_sidecar.py tests/test_sidecar_fd.py
+
 test: lint
 	$(PY) -m pytest $(PYTEST_ARGS)
+	OBJFS_FUSE_TRANSPORT=pyfuse3 OBJFS_TEST_FUSE_TRANSPORT=pyfuse3 $(PY) -m pytest $(PYTEST_ARGS) $(PYFUSE3_SUITES)
 
 demo: setup
 	$(PY) -m objfs.demo

@@ -20,6 +20,7 @@ from objfs.backends.base import Backend
 from objfs.config import (
     ACCOUNT_NAME_RE,
     FUSE_TRANSPORTS,
+    TRANSPORT_ENV,
     AzureOptions,
     MountConfig,
     S3Options,
@@ -197,9 +198,10 @@ def build_parser() -> argparse.ArgumentParser:
     perf.add_argument(
         "--fuse-transport",
         choices=FUSE_TRANSPORTS,
-        default=MountConfig.fuse_transport,
-        help="how objfs speaks FUSE: pyfuse3 (libfuse) or kernel (objfs's own protocol "
-        "implementation: larger requests; see the README) (default: %(default)s)",
+        default=None,
+        help="how objfs speaks FUSE: kernel (objfs's own protocol implementation: replies "
+        "outside the GIL, passthrough) or pyfuse3 (libfuse, the fallback) (default: "
+        f"${TRANSPORT_ENV} if set, else {MountConfig.fuse_transport})",
     )
     perf.add_argument(
         "--read-ahead-kb",
@@ -480,7 +482,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         if args.cache_min_free is None
         else parse_size(args.cache_min_free, option="--cache-min-free"),
         read_ahead_kb=args.read_ahead_kb,
-        fuse_transport=args.fuse_transport,
+        fuse_transport=_fuse_transport(args.fuse_transport),
         mountpoint=os.path.abspath(args.mountpoint),
         foreground=args.foreground,
         allow_other=args.allow_other,
@@ -494,6 +496,22 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         metrics_addr=args.metrics_addr,
         s3=s3,
     )
+
+
+def _fuse_transport(option: str | None) -> str:
+    """--fuse-transport, else $OBJFS_FUSE_TRANSPORT (one switch for every mount of a node or
+    an image), else the default."""
+    if option is not None:
+        return option
+    value = os.environ.get(TRANSPORT_ENV, "")
+    if not value:
+        return MountConfig.fuse_transport
+    if value not in FUSE_TRANSPORTS:
+        raise UsageError(
+            f"${TRANSPORT_ENV}: {value!r} is not a FUSE transport: use one of "
+            + ", ".join(FUSE_TRANSPORTS)
+        )
+    return value
 
 
 def _check_memory_limit(config: MountConfig, text: str | None) -> None:

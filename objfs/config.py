@@ -297,6 +297,8 @@ class AzureOptions:
 
 #: The FUSE transports ``--fuse-transport`` chooses from (see MountConfig.fuse_transport).
 FUSE_TRANSPORTS = ("pyfuse3", "kernel")
+#: The environment variable that sets the transport of mounts without --fuse-transport.
+TRANSPORT_ENV = "OBJFS_FUSE_TRANSPORT"
 
 
 @dataclass(frozen=True)
@@ -347,10 +349,11 @@ class MountConfig:
     read_ahead_kb: int = 16384
     # FUSE connection queue (max_background); the kernel default of 12 starves parallel reads.
     max_background: int = 64
-    # How objfs speaks to the kernel: "pyfuse3" (libfuse 3.14 through pyfuse3, the original
-    # binding and the default until the whole suite runs on the other) or "kernel" (objfs's
-    # own implementation of the protocol, objfs.kernel).
-    fuse_transport: str = "pyfuse3"
+    # How objfs speaks to the kernel: "kernel" (objfs's own implementation of the protocol,
+    # objfs.kernel: replies written outside the GIL, passthrough; the whole suite and the vLLM
+    # end-to-end test run on it) or "pyfuse3" (libfuse 3.14 through pyfuse3, the original
+    # binding, kept as the fallback and tested on the mount, fault and CSI suites).
+    fuse_transport: str = "kernel"
     log_level: str = "info"
     log_file: str | None = None
     # "text" for people, "json" (one object per line) for log collectors.

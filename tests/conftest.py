@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from objfs.config import MountConfig
 from objfs.demo import LocalServer, s3_client, start_moto_server
 from objfs.mount import mount_entry
 from tests.helpers.proxy import Proxy
@@ -160,7 +161,12 @@ def run_mount(
             proc.wait(timeout=30)
 
 
+# The FUSE transport of the mounts tests make: OBJFS_TEST_FUSE_TRANSPORT adds it to every
+# mount command; else $OBJFS_FUSE_TRANSPORT or the default applies (see objfs.cli).
 TRANSPORT = os.environ.get("OBJFS_TEST_FUSE_TRANSPORT", "")
+EFFECTIVE_TRANSPORT = (
+    TRANSPORT or os.environ.get("OBJFS_FUSE_TRANSPORT") or MountConfig.fuse_transport
+)
 
 
 def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) -> list[str]:
@@ -175,7 +181,7 @@ def mount_command(source: str, mountpoint: Path, log_path: Path, *options: str) 
         "--foreground",
         "--log-file",
         str(log_path),
-        # The whole suite on another transport: OBJFS_TEST_FUSE_TRANSPORT=kernel make test.
+        # The suite on another transport: OBJFS_TEST_FUSE_TRANSPORT=pyfuse3 make test.
         *(("--fuse-transport", TRANSPORT) if TRANSPORT else ()),
         *options,
     ]

@@ -154,3 +154,19 @@ async def test_an_interrupt_cancels_the_request_it_names(pipe: tuple[int, int]) 
         assert replies(r) == []
         await session._handle(w, request(p.Opcode.INTERRUPT, 42, 0, struct.pack("<Q", 41)))
     assert [(u, e) for u, e, _ in replies(r)] == [(41, -errno.EINTR)]
+
+
+def test_the_transport_comes_from_the_option_then_the_environment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from objfs.cli import _fuse_transport
+    from objfs.errors import UsageError
+
+    monkeypatch.delenv("OBJFS_FUSE_TRANSPORT", raising=False)
+    assert _fuse_transport(None) == MountConfig.fuse_transport
+    monkeypatch.setenv("OBJFS_FUSE_TRANSPORT", "pyfuse3")
+    assert _fuse_transport(None) == "pyfuse3"
+    assert _fuse_transport("kernel") == "kernel"  # the option wins
+    monkeypatch.setenv("OBJFS_FUSE_TRANSPORT", "libfuse")
+    with pytest.raises(UsageError, match="OBJFS_FUSE_TRANSPORT: 'libfuse' is not a FUSE"):
+        _fuse_transport(None)

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import (
-    TRANSPORT,
+    EFFECTIVE_TRANSPORT,
     Mount,
     cached_mount_command,
     put_many,
@@ -124,7 +124,7 @@ def test_item1_a_handle_never_reads_another_versions_bytes_after_eviction(
             assert holder.returncode == 0
             assert set(read) | set(failed) == set(old_chunks)
         gets = [r for r in proxy.stats.requests if r.method == "GET" and "a.bin" in r.target]
-        if TRANSPORT == "kernel":
+        if EFFECTIVE_TRANSPORT == "kernel":
             # Passthrough: the holder opened the warmed version's disk-cache file, which the
             # kernel reads itself; eviction unlinks it, and the holder reads its own version
             # whole from the unlinked file, with no GET.
