@@ -188,13 +188,7 @@ def test_sigterm_with_files_open_ends_the_daemon_cleanly(
         assert proc.wait(timeout=30) == 0, log_path.read_text()
         assert "received SIGTERM" in log_path.read_text()
     finally:
-        if holder is not None:
-            holder.kill()
-            holder.communicate()
-        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(holder, mountpoint, proc)
 
 
 def test_passthrough_serves_a_version_whole_in_the_disk_cache(
@@ -299,10 +293,18 @@ def test_a_killed_daemon_leaves_passthrough_readers_reading_their_version(
             os.open(mountpoint / "k.bin", os.O_RDONLY)
         assert caught.value.errno == errno.ENOTCONN
     finally:
-        if holder is not None and holder.poll() is None:
-            holder.kill()
-            holder.communicate()
-        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _end(holder, mountpoint, proc)
+
+
+def _end(
+    holder: subprocess.Popen[str] | None, mountpoint: Path, proc: subprocess.Popen[bytes]
+) -> None:
+    """Stop the reader, detach the mount, stop the daemon (what a test started)."""
+    if holder is not None and holder.poll() is None:
+        holder.kill()
+    if holder is not None:
+        holder.communicate()
+    subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
