@@ -124,7 +124,7 @@ def test_the_kernel_transport_is_read_only_with_the_same_errnos(
     assert target.read_bytes() == tree["m/config.json"]
 
 
-def test_many_readers_with_mmap_and_an_unmount_while_reading(
+def test_32_readers_with_mmap_get_their_bytes_and_none_hangs(
     mount_s3: Any, bucket: str, tree: dict[str, bytes]
 ) -> None:
     m: Mount = mount_s3(f"s3://{bucket}/m", *KERNEL)
