@@ -40,7 +40,8 @@ CLK = os.sysconf("SC_CLK_TCK")
 
 def thread_cpu(pid: int) -> Counter[str]:
     """CPU seconds of process ``pid``: user and system time of its main thread (the trio
-    thread, which also serves FUSE) and of all other threads (threads that exited are lost)."""
+    thread) and of all other threads (threads that exited are lost), and each thread's own
+    total under ``tid N`` (see :func:`busiest`)."""
     out: Counter[str] = Counter()
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:
@@ -51,6 +52,7 @@ def thread_cpu(pid: int) -> Counter[str]:
         who = "main" if task.name == str(pid) else "workers"
         out[f"{who} user"] += int(fields[11]) / CLK
         out[f"{who} sys"] += int(fields[12]) / CLK
+        out[f"tid {task.name}"] += (int(fields[11]) + int(fields[12])) / CLK
         with contextlib.suppress(OSError):
             for line in (task / "status").read_text().splitlines():
                 if line.startswith(("voluntary_ctxt_switches", "nonvolun")):
@@ -277,12 +279,16 @@ def main() -> None:
                             spy.send_signal(2)
                             spy.wait()
                         used = after - before
+                        per_thread = {k: v for k, v in used.items() if k.startswith("tid ")}
+                        used = Counter({k: v for k, v in used.items() if k not in per_thread})
                         total = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
                         gb = nbytes / 1e9
                         top = ", ".join(
                             f"{k} {v / gb:.0f}" if k.endswith("ctxsw") else f"{k} {v / gb:.2f}"
                             for k, v in sorted(used.items())
                         )
+                        # The busiest thread bounds one mount's throughput where cores are many.
+                        top += f", busiest thread {max(per_thread.values(), default=0) / gb:.2f}"
                         s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
                         machine, steal = (b - a for a, b in zip(who0[2], who1[2], strict=True))
                         usage = (
