@@ -557,6 +557,15 @@ class MountProc(Child):
                 total += c.user + c.system
         return float(total)
 
+    def thread_cpu_s(self) -> dict[int, float]:
+        """CPU seconds (user + system) of each of the server's threads now, by thread id."""
+        import psutil
+
+        try:
+            return {t.id: t.user_time + t.system_time for t in psutil.Process(self.pid).threads()}
+        except psutil.Error:
+            return {}
+
     def peak_rss_mib(self) -> float:
         try:
             for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
