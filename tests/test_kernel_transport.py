@@ -3,7 +3,10 @@
 The semantics are those of the pyfuse3 transport (the same core answers): these tests check
 what the transport itself owns: INIT (what it negotiated, shown by ``objfs status``), every
 request objfs answers with the same bytes and errnos, READDIRPLUS over many entries, mmap,
-interrupted readers, and a clean end on unmount and on SIGTERM while files are open.
+interrupted readers, and a clean end on unmount and on SIGTERM while files are open; and
+passthrough: no READ reaches the daemon, a damaged cache file is served normally and repaired,
+a held handle keeps its version through a replacement and an eviction and after a kill -9,
+and an unmount (lazy or aborted) in the middle of a read.
 """
 
 from __future__ import annotations
@@ -308,3 +311,169 @@ def _end(
     if proc.poll() is None:
         proc.kill()
         proc.wait()
+
+
+def _status(path: Path) -> dict[str, Any]:
+    """The daemon's figures once its status file was rewritten (every second)."""
+    time.sleep(1.5)
+    status = run_objfs("status", str(path), "--json")
+    assert status.returncode == 0, status.stderr
+    return dict(json.loads(status.stdout))
+
+
+def _served_reads(path: Path) -> tuple[int, int]:
+    """(READs the daemon answered, opens it answered by passthrough) on the mount at path."""
+    status = _status(path)
+    return int(status["served"]["reads"]), int(status["fuse"]["passthrough_opens"])
+
+
+def _version_file(cache: Path, size: int) -> Path:
+    """The one disk-cache data file that holds an object of ``size`` bytes (an O_DIRECT
+    write may have padded its end to a page)."""
+    found = [
+        f
+        for f in cache.rglob("*")
+        if f.is_file() and f.suffix != ".idx" and size <= f.stat().st_size < size + 4096
+    ]
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_a_damaged_block_in_the_disk_cache_is_read_normally_then_repaired_then_passthrough(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """The kernel checks no hash: a version whose cache file has a damaged block is never
+    offered by passthrough. The mount verifies the file before the first passthrough open,
+    finds the damage and serves the file by normal reads, which fetch the block again and
+    write it back; the next mount offers the repaired file by passthrough."""
+    from tests.conftest import cached_mount_command, run_mount
+
+    data = os.urandom(5 * MiB + 4097)
+    put_many(s3, bucket, {"m/d.bin": data})
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+    cmd = [*cmd, *KERNEL]
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        warmed = run_objfs("warm", "--cache-only", str(m.path / "d.bin"))
+        assert warmed.returncode == 0, warmed.stderr
+    damaged = _version_file(tmp_path / "cache", len(data))
+    with open(damaged, "r+b") as f:
+        f.seek(2 * MiB + 10)
+        byte = f.read(1)
+        f.seek(2 * MiB + 10)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        before, _ = _served_reads(m.path)
+        assert sha256((m.path / "d.bin").read_bytes()) == sha256(data)
+        reads, passthrough = _served_reads(m.path)
+        assert passthrough == 0  # the damaged version was not offered
+        assert reads > before  # the daemon served it
+    assert damaged.read_bytes()[: len(data)] == data  # repaired
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        before, _ = _served_reads(m.path)
+        assert sha256((m.path / "d.bin").read_bytes()) == sha256(data)
+        reads, passthrough = _served_reads(m.path)
+        assert passthrough == 1
+        assert reads == before
+    assert damaged.read_bytes() == data  # and cut to the object's size for passthrough
+
+
+def test_a_passthrough_handle_keeps_its_version_through_a_replacement_and_an_eviction(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """A handle open by passthrough reads the cache file it was given: replacing the object
+    gives the new version its own file (a new open reads it), and evicting the old version
+    unlinks its file, which the kernel keeps reading: the old handle reads its own version
+    whole, with no READ reaching the daemon."""
+    from tests.conftest import cached_mount_command, run_mount
+
+    old, new = os.urandom(12 * MiB + 5), os.urandom(12 * MiB + 7)
+    filler = os.urandom(12 * MiB)
+    put_many(s3, bucket, {"m/a.bin": old, "m/fill.bin": filler})
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+    # A disk cache that holds one of the versions, not two.
+    cmd = [*cmd, *KERNEL, "--cache-size", "20M", "--metadata-ttl", "1"]
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        warmed = run_objfs("warm", "--cache-only", str(m.path / "a.bin"))
+        assert warmed.returncode == 0, warmed.stderr
+        old_file = _version_file(tmp_path / "cache", len(old))
+        with open(m.path / "a.bin", "rb", buffering=0) as held:
+            assert held.read(MiB) == old[:MiB]
+            status = _status(m.path)
+            assert status["fuse"]["passthrough_opens"] == 1
+            served = int(status["served"]["bytes"])
+            s3.put_object(Bucket=bucket, Key="m/a.bin", Body=new)
+            time.sleep(1.5)  # past the metadata TTL
+            assert sha256((m.path / "a.bin").read_bytes()) == sha256(new)
+            assert sha256((m.path / "fill.bin").read_bytes()) == sha256(filler)
+            assert not old_file.exists(), "the old version was not evicted"
+            assert sha256(held.read()) == sha256(old[MiB:])
+            with mmap.mmap(held.fileno(), 0, prot=mmap.PROT_READ) as mapped:
+                assert sha256(mapped[:]) == sha256(old)
+        # The daemon served the new version and the filler (once each: the page cache keeps
+        # them), and none of the held handle's old bytes.
+        assert int(_status(m.path)["served"]["bytes"]) - served == len(new) + len(filler)
+
+
+@pytest.mark.parametrize("how", ["lazy", "abort"])
+def test_unmount_while_reading(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path, how: str
+) -> None:
+    """An unmount in the middle of reads: ``objfs unmount --force`` (a lazy detach) lets
+    the open handle read on, byte-exact, then the daemon exits 0; aborting the connection
+    fails the next read with ENOTCONN and the daemon still exits 0. No reader hangs."""
+    from tests.conftest import mount_command, wait_mounted
+
+    data = os.urandom(24 * MiB + 3)
+    put_many(s3, bucket, {"m/u.bin": data})
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    log_path = tmp_path / "objfs.log"
+    cmd = mount_command(
+        f"s3://{bucket}/m", mountpoint, log_path, "--endpoint-url", s3_server.url, *KERNEL
+    )
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    holder = None
+    try:
+        wait_mounted(mountpoint, proc, log_path)
+        code = (
+            "import hashlib, os, sys\n"
+            "fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+            "print(hashlib.sha256(os.pread(fd, 1 << 20, 0)).hexdigest(), flush=True)\n"
+            "sys.stdin.readline()\n"
+            "h = hashlib.sha256()\n"
+            "try:\n"
+            "    while chunk := os.read(fd, 1 << 20):\n"
+            "        h.update(chunk)\n"
+            "    print(h.hexdigest(), flush=True)\n"
+            "except OSError as exc:\n"
+            "    print('errno', exc.errno, flush=True)\n"
+        )
+        holder = subprocess.Popen(
+            [sys.executable, "-c", code, str(mountpoint / "u.bin")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert holder.stdout is not None
+        assert holder.stdin is not None
+        assert holder.stdout.readline().strip() == sha256(data[:MiB])
+        if how == "lazy":
+            done = run_objfs("unmount", "--force", str(mountpoint))
+            assert done.returncode == 0, done.stderr
+        else:
+            dev = os.stat(mountpoint).st_dev
+            conn = Path("/sys/fs/fuse/connections") / str(dev)
+            (conn / "abort").write_text("1")
+        holder.stdin.write("go\n")
+        holder.stdin.flush()
+        out, _ = holder.communicate(timeout=60)
+        if how == "lazy":
+            assert out.strip() == sha256(data)  # read() starts at 0: pread moved nothing
+        else:
+            assert out.strip() == f"errno {errno.ENOTCONN}"
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+        from objfs.mountinfo import mount_entry
+
+        assert mount_entry(str(mountpoint)) is None  # the daemon removed what was left
+    finally:
+        _end(holder, mountpoint, proc)

@@ -644,9 +644,18 @@ def objfs_cmd(
     ]
 
 
-def binding_ceiling_cmd(src: Path, path: Path) -> list[str]:
-    """The memory-backed pyfuse3 file system (``binding_ceiling.py``) serving ``src``."""
-    return [sys.executable, "-m", "tests.benchmarks.binding_ceiling", str(src), str(path)]
+def binding_ceiling_cmd(src: Path, path: Path, transport: str = "pyfuse3") -> list[str]:
+    """The memory-backed file system (``binding_ceiling.py``) serving ``src`` through
+    ``transport`` (pyfuse3, or objfs's own: kernel)."""
+    return [
+        sys.executable,
+        "-m",
+        "tests.benchmarks.binding_ceiling",
+        str(src),
+        str(path),
+        "--transport",
+        transport,
+    ]
 
 
 def binding_ceiling_env() -> dict[str, str | None]:

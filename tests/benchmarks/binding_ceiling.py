@@ -1,6 +1,7 @@
-"""The binding ceiling: what a pyfuse3 file system can serve on this machine, from memory.
+"""The binding ceiling: what a FUSE transport can serve on this machine, from memory.
 
-``python -m tests.benchmarks.binding_ceiling SRC_DIR MOUNTPOINT`` reads every file under
+``python -m tests.benchmarks.binding_ceiling SRC_DIR MOUNTPOINT [--transport T]`` reads every
+file under
 SRC_DIR (dot files excepted, as the bucket has none) into memory, then mounts MOUNTPOINT and
 serves that tree read-only until SIGINT/SIGTERM or an unmount. It answers only what a load
 needs: lookup, getattr, opendir/readdir/releasedir, open (``keep_cache=True``), read (a
@@ -16,6 +17,11 @@ connection's ``max_background`` and ``congestion_threshold``). That tuning finds
 major:minor in /proc/self/mountinfo and never touches the mountpoint, which this process alone
 could answer. ``bench_models`` loads the model through it like through objfs: the gap between
 the two is objfs's own, not the kernel's or the binding's.
+
+``--transport pyfuse3`` (the default) serves the tree through pyfuse3 (``MemoryOperations``);
+``--transport kernel`` through objfs's own transport (:class:`objfs.kernel.session.
+KernelSession`, its INIT, reader thread and reply writers), with ``MemoryCore`` standing in for
+objfs's ``FileSystem``: the ceiling of the transport objfs mounts with by default.
 """
 
 from __future__ import annotations
@@ -34,6 +40,9 @@ import pyfuse3
 import trio
 
 from objfs.config import MountConfig, parse_source
+from objfs.errors import IsADirectoryFsError, ObjectNotFoundError, ReadOnlyError
+from objfs.fs import Attributes, FileSystem
+from objfs.kernel.session import KernelSession
 from objfs.mount import _MAX_FUSE_TASKS, fuse_options, tune_kernel
 
 NAME = "binding-ceiling"
@@ -147,6 +156,98 @@ class MemoryOperations(pyfuse3.Operations):
         return None
 
 
+class MemoryCore:
+    """What :class:`KernelSession` asks of objfs's ``FileSystem``, answered from the same
+    tree in memory: a READ is a slice of the file's bytes (no copy, nothing held), no disk
+    tier (so no passthrough), no store."""
+
+    disk = None
+
+    def __init__(self, root: Node, config: MountConfig) -> None:
+        self.config = config
+        self.nodes = MemoryOperations(root, config).nodes
+        self.block_size = config.block_size_bytes
+        self.uid, self.gid = os.getuid(), os.getgid()
+        self._handles: dict[int, int] = {}  # fh -> inode
+        self._next_fh = 1
+
+    def _node(self, inode: int) -> Node:
+        node = self.nodes.get(inode)
+        if node is None:
+            raise ObjectNotFoundError(f"no inode {inode}")
+        return node
+
+    def _fh(self, inode: int) -> int:
+        fh, self._next_fh = self._next_fh, self._next_fh + 1
+        self._handles[fh] = inode
+        return fh
+
+    def attributes(self, node: Node) -> Attributes:
+        is_dir = stat.S_ISDIR(node.mode)
+        return Attributes(
+            inode=node.inode,
+            mode=node.mode,
+            nlink=2 if is_dir else 1,
+            uid=self.uid,
+            gid=self.gid,
+            size=len(node.data),
+            mtime_ns=node.mtime_ns,
+            blksize=self.block_size,
+        )
+
+    async def lookup(self, parent_inode: int, name: bytes) -> Node:
+        node = self._node(parent_inode).children.get(name)
+        if node is None:
+            raise ObjectNotFoundError(f"no {name!r}")
+        return node
+
+    def remember(self, node: Node) -> None:
+        return None
+
+    def forget(self, inode: int, nlookup: int) -> None:
+        return None
+
+    async def getattr(self, inode: int) -> Attributes:
+        return self.attributes(self._node(inode))
+
+    async def opendir(self, inode: int) -> int:
+        return self._fh(inode)
+
+    def readdir(self, fh: int, start: int) -> list[tuple[int, Node]]:
+        entries = list(self._node(self._handles[fh]).children.values())
+        return [(index + 1, entries[index]) for index in range(start, len(entries))]
+
+    def releasedir(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    async def whole_on_disk(self, inode: int) -> str | None:
+        return None
+
+    async def open(self, inode: int, flags: int, *, prefetch: bool = True) -> tuple[int, bool]:
+        if stat.S_ISDIR(self._node(inode).mode):
+            raise IsADirectoryFsError("a directory")
+        if flags & os.O_ACCMODE != os.O_RDONLY:
+            raise ReadOnlyError("read-only")
+        return self._fh(inode), True
+
+    async def read(
+        self, fh: int, offset: int, size: int, *, holds: list[Any] | None = None
+    ) -> memoryview:
+        return memoryview(self.nodes[self._handles[fh]].data)[offset : offset + size]
+
+    def handle_inode(self, fh: int) -> int:
+        return self._handles[fh]
+
+    def release(self, fh: int) -> None:
+        self._handles.pop(fh, None)
+
+    async def warm(self, inode: int) -> int:
+        return 0
+
+    def statistics(self) -> dict[str, int]:
+        return {"inodes": len(self.nodes)}
+
+
 def load_tree(src: Path) -> Node:
     """Every file under ``src`` (dot files excepted) read into memory."""
     inodes = iter(range(pyfuse3.ROOT_INODE, 1 << 62))
@@ -200,10 +301,50 @@ async def serve(ops: MemoryOperations, config: MountConfig) -> None:
         pyfuse3.close(unmount=True)
 
 
+async def serve_kernel(core: MemoryCore, config: MountConfig) -> None:
+    """The same tree through objfs's own transport, tuned as objfs tunes its mounts."""
+    session = KernelSession(cast(FileSystem, core), config, None)
+    session.mount()
+    files = [n for n in core.nodes.values() if stat.S_ISREG(n.mode)]
+    log.info(
+        "serving %d files (%d bytes) from memory on %s (kernel transport)",
+        len(files),
+        sum(len(n.data) for n in files),
+        config.mountpoint,
+    )
+
+    async def tune_after_init() -> None:
+        await session.initialized.wait()
+        tune_kernel(config)
+
+    async def watch_signals() -> None:
+        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for _ in signals:
+                session.stop()
+                return
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(tune_after_init)
+            nursery.start_soon(watch_signals)
+            await session.serve()
+            nursery.cancel_scope.cancel()
+    finally:
+        session.close(unmount=True)
+
+
+TRANSPORTS = ("pyfuse3", "kernel")
+
+
 def main(argv: list[str]) -> int:
+    transport = "pyfuse3"
+    if len(argv) == 4 and argv[2] == "--transport" and argv[3] in TRANSPORTS:
+        transport, argv = argv[3], argv[:2]
     if len(argv) != 2:
         print(
-            "usage: python -m tests.benchmarks.binding_ceiling SRC_DIR MOUNTPOINT", file=sys.stderr
+            "usage: python -m tests.benchmarks.binding_ceiling SRC_DIR MOUNTPOINT"
+            " [--transport pyfuse3|kernel]",
+            file=sys.stderr,
         )
         return 2
     logging.basicConfig(
@@ -213,7 +354,10 @@ def main(argv: list[str]) -> int:
     # A real path before mounting: nothing may resolve it once it is mounted.
     config = MountConfig(source=parse_source(f"s3://{NAME}"), mountpoint=os.path.realpath(argv[1]))
     root = load_tree(src)
-    trio.run(serve, MemoryOperations(root, config), config)
+    if transport == "kernel":
+        trio.run(serve_kernel, MemoryCore(root, config), config)
+    else:
+        trio.run(serve, MemoryOperations(root, config), config)
     return 0
 
 

@@ -38,6 +38,17 @@ from tests.benchmarks.bench_models import t_cat, t_load, tp_load
 CLK = os.sysconf("SC_CLK_TCK")
 
 
+def t_torch_io(files: list[Path], threads: int | None) -> float:
+    """Seconds to load ``files`` with objfs.torch_io onto the CPU with ``threads`` readers."""
+    from objfs.torch_io import load_safetensors
+
+    start = time.perf_counter()
+    state = load_safetensors([str(f) for f in files], "cpu", threads=threads)
+    elapsed = time.perf_counter() - start
+    del state
+    return elapsed
+
+
 def thread_cpu(pid: int) -> Counter[str]:
     """CPU seconds of process ``pid``: user and system time of its main thread (the trio
     thread) and of all other threads (threads that exited are lost), and each thread's own
@@ -148,6 +159,14 @@ def main() -> None:
         "pages are still backed; 'any' (default) does neither",
     )
     p.add_argument("--cat", action="store_true", help="cat the shards instead of loading them")
+    p.add_argument(
+        "--torch-io",
+        type=int,
+        default=None,
+        metavar="THREADS",
+        help="load with objfs.torch_io.load_safetensors and THREADS reader threads (0: its "
+        "default) instead of safetensors' load_file",
+    )
     p.add_argument(
         "--binding",
         action="store_true",
@@ -263,6 +282,8 @@ def main() -> None:
                                 elapsed = tp_load([str(f) for f in files])
                             elif args.cat:
                                 elapsed = t_cat(files)
+                            elif args.torch_io is not None:
+                                elapsed = t_torch_io(files, args.torch_io or None)
                             else:
                                 elapsed = t_load(files)
                         if args.timeline and measure != "warm":
