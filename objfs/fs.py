@@ -59,7 +59,7 @@ import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TypeVar, overload
 
 import trio
 
@@ -243,6 +243,7 @@ class FileSystem:
         self._reply_buffers: list[Buffer] = []
         self.reads_spanned = 0  # reads across blocks answered with one view (no copy)
         self.reads_assembled = 0  # reads across blocks assembled by a copy
+        self.reads_scattered = 0  # reads across blocks answered with a view per block
         self.cache.replies.reclaim = self._release_reply_buffers
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
@@ -852,9 +853,19 @@ class FileSystem:
         except KeyError:
             raise BadFileHandleError(f"file handle {fh} is not open") from None
 
+    @overload
+    async def read(
+        self, fh: int, offset: int, size: int, *, holds: None = None
+    ) -> bytes | bytearray | memoryview: ...
+
+    @overload
+    async def read(
+        self, fh: int, offset: int, size: int, *, holds: list[Callable[[], None]]
+    ) -> bytes | bytearray | memoryview | list[memoryview]: ...
+
     async def read(
         self, fh: int, offset: int, size: int, *, holds: list[Callable[[], None]] | None = None
-    ) -> bytes | bytearray | memoryview:
+    ) -> bytes | bytearray | memoryview | list[memoryview]:
         """Return ``size`` bytes from ``offset``, fewer only at end of file.
 
         Without ``holds`` the reply must reach the kernel before the trio thread runs anything
@@ -862,7 +873,9 @@ class FileSystem:
         writes replies from other threads) the bytes stay valid, and charged to the budget,
         until every callback appended to ``holds`` has run: the caller runs them on the trio
         thread once the reply is written (cached blocks are pinned, pooled and reply-share
-        bytes given back by the callbacks)."""
+        bytes given back by the callbacks); and a read across cached blocks that are not
+        adjacent in memory is answered with a list of views, one per block, in order (the
+        caller writes them with one ``writev``), rather than copied into one buffer."""
         self._release_reply_buffers()
         self.fetcher.touch()
         handle = self._handle(fh)
@@ -915,6 +928,14 @@ class FileSystem:
             self._hold_blocks(keys, holds)
             self.reads_spanned += 1
             return joined[offset - first * bs : end - first * bs]
+        parts = self._scatter(keys, first, offset, end) if holds is not None else None
+        if parts is not None:
+            # No await from the check to the reply, as above.
+            for index in range(first, last + 1):
+                self._cached(handle, index, to_end=self._reaches_end(handle, index, end))
+            self._hold_blocks(keys, holds)
+            self.reads_scattered += 1
+            return parts
         # Else it is assembled in a pooled buffer charged to the reply share: no
         # zero-filling, no fresh pages. Each piece is copied at once (the next block's fetch
         # may wait, and this one may be evicted meanwhile).
@@ -959,6 +980,24 @@ class FileSystem:
         else:
             self._release_share(nbytes, holds)
         return out
+
+    def _scatter(
+        self, keys: list[BlockKey], first: int, offset: int, end: int
+    ) -> list[memoryview] | None:
+        """Views of ``[offset, end)`` in the cached blocks ``keys`` (block ``first`` on), one
+        per block; None unless every one is in memory now."""
+        bs = self.block_size
+        parts = []
+        for index, key in enumerate(keys, start=first):
+            block = self.cache.peek(key)
+            if block is None or block.buffer is None:
+                return None
+            base = index * bs
+            lo, hi = max(offset, base), min(end, base + bs)
+            if hi - base > len(block.view):
+                return None
+            parts.append(block.view[lo - base : hi - base])
+        return parts
 
     def _hold_blocks(self, keys: list[BlockKey], holds: list[Callable[[], None]] | None) -> None:
         """Pin the cached blocks of ``keys`` until the holds run (no-op without holds)."""
@@ -1150,6 +1189,7 @@ class FileSystem:
             "open_dirs": len(self._dir_handles),
             "reads_spanned": self.reads_spanned,
             "reads_assembled": self.reads_assembled,
+            "reads_scattered": self.reads_scattered,
             **self.cache.statistics(),
             **self.fetcher.statistics(),
             **(self.disk.statistics() if self.disk is not None else {}),

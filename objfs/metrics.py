@@ -451,6 +451,7 @@ class Telemetry:
                 # assembled by a copy (see FileSystem.read).
                 "spanned": fs.get("reads_spanned", 0),
                 "assembled": fs.get("reads_assembled", 0),
+                "scattered": fs.get("reads_scattered", 0),
             },
             "store": {
                 "requests": dict(stats.requests),

@@ -12,7 +12,7 @@ import hashlib
 import mmap
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -586,3 +586,45 @@ async def test_sequential_unaligned_reads_are_answered_without_copies(tmp_path: 
             assert stats["disk_writes"] > 0
         else:
             assert stats["disk_hits"] > 0
+
+
+async def test_a_read_across_blocks_apart_in_memory_is_a_view_per_block_when_held() -> None:
+    """With ``holds`` (the kernel transport's writer threads), a read across cached blocks
+    whose buffers are not adjacent is answered with one view per block, in order, and no
+    copy; the blocks stay pinned until the holds run. Without holds the same read is
+    assembled by a copy (the pyfuse3 transport)."""
+    a, b = os.urandom(4 * MiB), os.urandom(4 * MiB)
+    backend = MemoryBackend()
+    backend.put("p/a.bin", a)
+    backend.put("p/b.bin", b)
+    async with trio.open_nursery() as nursery:
+        fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB, part_size_bytes=MiB))
+        fs.start(nursery)
+        handles = []
+        for name in (b"a.bin", b"b.bin"):
+            node = await fs.lookup(ROOT_INODE, name)
+            handles.append((await fs.open(node.inode, os.O_RDONLY))[0])
+        fa, fb = handles
+        # Alternate, at random offsets (no read-ahead): a's blocks land in slots apart.
+        for index in (0, 1, 2, 3):
+            for fh in (fa, fb):
+                await fs.read(fh, index * MiB + 5 * (index + 1), 4096)
+        holds: list[Callable[[], None]] = []
+        got = await fs.read(fa, MiB - 100, 2 * MiB + 200, holds=holds)
+        assert isinstance(got, list), type(got)
+        assert [len(part) for part in got] == [100, MiB, MiB, 100]
+        assert b"".join(got) == a[MiB - 100 : 3 * MiB + 100]
+        pinned = [fs.cache.peek(fs.fetcher.key(fs._handle(fa), i)) for i in range(4)]
+        assert all(block is not None and block.pins == 1 for block in pinned)
+        for release in holds:
+            release()
+        assert all(block is not None and block.pins == 0 for block in pinned)
+        stats = fs.statistics()
+        assert stats["reads_scattered"] == 1, stats
+        assert stats["reads_assembled"] == 0, stats
+        plain = await fs.read(fa, MiB - 100, 2 * MiB + 200)
+        assert bytes(plain) == a[MiB - 100 : 3 * MiB + 100]
+        assert fs.statistics()["reads_assembled"] == 1
+        for fh in handles:
+            fs.release(fh)
+        nursery.cancel_scope.cancel()

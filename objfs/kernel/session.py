@@ -8,9 +8,10 @@ as it is; as root objfs opens ``/dev/fuse`` and calls mount(2) with ``fd=N`` its
 ``fusermount3`` mounts and hands the fd back over a socket (its ``_FUSE_COMMFD`` protocol).
 
 INIT: the session answers the kernel's INIT before anything else, asking for what the kernel
-offers of ``ASYNC_READ``, ``PARALLEL_DIROPS``, ``DO_READDIRPLUS``, ``MAX_PAGES`` (up to
-``fs.fuse.max_pages_limit``) and ``INIT_EXT``, with ``max_background`` and
-``congestion_threshold`` in the reply itself, and never ``WRITEBACK_CACHE``. What was
+offers of ``ASYNC_READ``, ``PARALLEL_DIROPS``, ``DO_READDIRPLUS``, ``MAX_PAGES`` (requests up
+to 4 MiB, within ``fs.fuse.max_pages_limit``, which objfs raises to that when root) and
+``INIT_EXT``, with ``max_background`` and ``congestion_threshold`` in the reply itself, and
+never ``WRITEBACK_CACHE``. What was
 negotiated is logged and kept in :attr:`KernelSession.negotiated` (``objfs status`` shows it).
 
 Threads: one reader thread waits on the session fd and hands every request to the trio
@@ -113,6 +114,9 @@ _WANTED = (
 )
 _MAX_PAGES_LIMIT = "/proc/sys/fs/fuse/max_pages_limit"
 _PAGE = 4096
+# The largest request objfs asks for: 4 MiB (the kernel's own cap was 256 pages before 6.13
+# and is fs.fuse.max_pages_limit since; objfs raises that sysctl to this when root).
+MAX_PAGES = 1024
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
 _libc.mount.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong]
@@ -168,6 +172,24 @@ def _max_pages_limit() -> int:
         return 256
 
 
+def _raise_max_pages_limit() -> int:
+    """Raise ``fs.fuse.max_pages_limit`` to ``MAX_PAGES`` where it is lower, this process is
+    root and the sysctl exists (it only caps what each FUSE file system may ask for; the
+    kernel reads it when a connection is created, so this runs before mounting). Returns the
+    cap, logged when raised."""
+    limit = _max_pages_limit()
+    if limit < MAX_PAGES and os.geteuid() == 0 and os.path.exists(_MAX_PAGES_LIMIT):
+        try:
+            with open(_MAX_PAGES_LIMIT, "w", encoding="ascii") as f:
+                f.write(str(MAX_PAGES))
+        except OSError as exc:
+            log.info("fs.fuse.max_pages_limit stays %d (raising it failed: %s)", limit, exc)
+        else:
+            log.info("raised fs.fuse.max_pages_limit from %d to %d", limit, MAX_PAGES)
+            limit = _max_pages_limit()
+    return limit
+
+
 class KernelSession:
     """One FUSE connection served by objfs itself. ``mount()``, then ``await serve()`` until
     unmounted or :meth:`stop`; ``close()`` at the end. Same attributes as the pyfuse3
@@ -183,6 +205,9 @@ class KernelSession:
         self.negotiated = Negotiated()
         self._passed_fd = passed_fd
         self._fd = -1
+        # The kernel's cap on pages per request, as this connection was made with (a passed
+        # fd's mount was made by another process: the cap as it stands now).
+        self._pages_limit = _max_pages_limit()
         self._mounted_here = False
         self._wake_r, self._wake_w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
         self._stopping = threading.Event()
@@ -211,6 +236,7 @@ class KernelSession:
         if self._passed_fd is not None:
             self._fd = self._passed_fd
             return
+        self._pages_limit = _raise_max_pages_limit()
         target = self.config.mountpoint
         fsname = self.config.source.url().replace(",", "%2C").replace(" ", "%20")
         if os.geteuid() == 0:
@@ -369,7 +395,7 @@ class KernelSession:
             log.info("FUSE passthrough off: %s", why_not)
         self.passthrough = why_not is None
         minor = min(init.minor, p.KERNEL_MINOR_VERSION)
-        max_pages = _max_pages_limit() if flags & p.MAX_PAGES else 0
+        max_pages = min(self._pages_limit, MAX_PAGES) if flags & p.MAX_PAGES else 0
         background = self.config.max_background
         reply = p.init_out(
             minor=minor,
@@ -533,9 +559,11 @@ class KernelSession:
         except BaseException:
             _run_holds(holds)
             raise
-        self.bytes_served += len(data)
+        parts = data if isinstance(data, list) else [data]
+        nbytes = sum(len(part) for part in parts)
+        self.bytes_served += nbytes
         self.reads += 1
-        self._replies.put((fd, [p.out_header(unique, len(data)), data], holds))
+        self._replies.put((fd, [p.out_header(unique, nbytes), *parts], holds))
 
     def _answer_at_once(self, fd: int, data: bytes) -> None:
         """(trio thread, in arrival order) RELEASE, RELEASEDIR, FORGET, BATCH_FORGET: no
