@@ -14,7 +14,9 @@ two hex digits, so no directory grows huge):
   (index u64, length u32, data hash u64), all little-endian. An all-zero entry (a hole) means
   "not present": that is tested first, so a zero entry is never taken for a block whatever
   its check would say (and a written entry is never all zeros: its length is at least 1).
-  Any other entry whose check fails is garbled and dropped as corrupt. A new table file is
+  Any other entry whose check fails is garbled and dropped as corrupt. The header page's
+  last 32 bytes may record that the version was verified whole for FUSE passthrough
+  (``_STAMP``, see ``whole_version_file``); zeros there mean it was not. A new table file is
   written under a temporary name and hard-linked into place, so a table under its own name
   has its header.
 
@@ -162,6 +164,10 @@ _HEADER = struct.Struct("<8sIIIIII")
 _ENTRY = struct.Struct("<IQI")
 _ENTRY_CHECK = struct.Struct("<QIQ")  # what an entry's check covers: its block's index too
 _NO_ENTRY = bytes(_ENTRY.size)  # a hole: "not present", tested before any check
+# A version verified whole for passthrough (see whole_version_file): the data file's inode and
+# size and the XXH3-64 of its table, in the last bytes of the table file's header page.
+_STAMP = struct.Struct("<8sQQQ")
+_STAMP_MAGIC = b"OBJFSOK1"
 # The page: the table starts on one (the header alone in its page), data blocks start on one,
 # and O_DIRECT needs buffers, offsets and lengths in whole pages (4096 covers every device).
 _PAGE = 4096
@@ -546,15 +552,19 @@ class DiskCache:
         """The data file of version (key, etag) when it holds exactly the object's ``size``
         bytes, for the kernel to serve by FUSE passthrough (which checks no hash); else None.
 
-        Exactly: every block is listed in the table and, once per process and version, read
-        and verified against its hash (a damaged block is dropped, so normal reads fetch and
-        rewrite it, and this answers None); the verification reads through the page cache, so
-        the kernel's passthrough reads that follow find the bytes there (one disk read in
-        all, where O_DIRECT would have made it two); the file is cut to ``size`` (an
-        O_DIRECT write pads the last block to a page), so it has no padding past the object's
-        end, and no holes (block ``i`` fills ``[i * block_size, ...)``). Blocks that are
-        listed are never written again, so the bytes under a passthrough file do not change;
-        eviction unlinks the file, and the kernel keeps reading the unlinked one."""
+        Exactly: every block is listed in the table; the file is cut to ``size`` (an O_DIRECT
+        write pads the last block to a page), so it has no padding past the object's end, and
+        no holes (block ``i`` fills ``[i * block_size, ...)``); and every block was read and
+        verified against its hash once for this disk cache (a damaged block is dropped, so
+        normal reads fetch and rewrite it, and this answers None). The verification is
+        recorded in the table file (``_STAMP``: the data file's inode and size and a hash of
+        the table) after the data is synced to disk, so a remount serves the version with no
+        read of its bytes; dropping a block, rewriting the table, replacing or resizing the
+        file voids the record, and the next call verifies again. What the record cannot see
+        is damage to the data on disk afterwards: passthrough reads it as any local file is
+        read, while normal reads still check every block. Blocks that are listed are never
+        written again, so the bytes under a passthrough file do not change; eviction unlinks
+        the file, and the kernel keeps reading the unlinked one."""
         if not self.enabled or size <= 0:
             return None
         bs = self.block_size
@@ -562,14 +572,6 @@ class DiskCache:
         if self.missing_bytes(key, etag, lengths):
             return None
         v = self._version(key, etag)
-        if v.digest not in self._verified:
-            bad = self._first_bad_block(v, lengths)
-            if bad is not None:
-                # Read it the usual way, which finds the damage and drops the block.
-                self.read_blocks(key, etag, [bad], [lengths[bad]])
-                return None
-            with self._lock:
-                self._verified.add(v.digest)
         try:
             st = os.stat(v.data_path)
             if st.st_size > size:
@@ -578,7 +580,62 @@ class DiskCache:
                 return None
         except OSError:
             return None
+        if v.digest not in self._verified:
+            stamp = self._stamp(v, len(lengths))
+            if stamp is None or not self._stamped(v, stamp):
+                bad = self._first_bad_block(v, lengths)
+                if bad is not None:
+                    # Read it the usual way, which finds the damage and drops the block.
+                    self.read_blocks(key, etag, [bad], [lengths[bad]])
+                    return None
+                if stamp is not None:
+                    self._record_stamp(v, stamp)
+            with self._lock:
+                self._verified.add(v.digest)
         return v.data_path
+
+    def _stamp(self, v: _Version, count: int) -> bytes | None:
+        """What ``_STAMP`` holds for ``v`` as its files are now (``count`` blocks); None when
+        there is no room for it in the header page or the files cannot be read."""
+        if len(v.header) > v.table_offset - _STAMP.size:
+            return None
+        try:
+            st = os.stat(v.data_path)
+            fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                table = os.pread(fd, count * _ENTRY.size, v.table_offset)
+            finally:
+                os.close(fd)
+        except OSError:
+            return None
+        return _STAMP.pack(_STAMP_MAGIC, st.st_ino, st.st_size, xxhash.xxh3_64_intdigest(table))
+
+    def _stamped(self, v: _Version, stamp: bytes) -> bool:
+        try:
+            fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                return os.pread(fd, _STAMP.size, v.table_offset - _STAMP.size) == stamp
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+
+    def _record_stamp(self, v: _Version, stamp: bytes) -> None:
+        """Record a verification: the data synced first, so a crash cannot leave a record
+        over bytes that never reached the disk."""
+        try:
+            fd = os.open(v.data_path, os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            fd = os.open(v.index_path, os.O_WRONLY | os.O_CLOEXEC)
+            try:
+                os.pwrite(fd, stamp, v.table_offset - _STAMP.size)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            log.info("disk cache: recording the verification of %s failed (%s)", v.data_path, exc)
 
     def _first_bad_block(self, v: _Version, lengths: Sequence[int]) -> int | None:
         """The first block of ``v`` whose bytes (read buffered) do not match its table entry,
@@ -813,6 +870,11 @@ class DiskCache:
         )
         with contextlib.suppress(OSError):
             os.pwrite(files.index_fd, _NO_ENTRY, v.table_offset + index * _ENTRY.size)
+        if len(v.header) <= v.table_offset - _STAMP.size:
+            with contextlib.suppress(OSError):  # no longer verified whole
+                os.pwrite(files.index_fd, bytes(_STAMP.size), v.table_offset - _STAMP.size)
+        with self._lock:
+            self._verified.discard(v.digest)
 
     # -- writing ---------------------------------------------------------------------------
 

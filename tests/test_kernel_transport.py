@@ -477,3 +477,63 @@ def test_unmount_while_reading(
         assert mount_entry(str(mountpoint)) is None  # the daemon removed what was left
     finally:
         _end(holder, mountpoint, proc)
+
+
+# Runs `python -m objfs ...` with objfs.kernel.session seeing a non-root effective uid, so it
+# mounts through fusermount3 and unmounts with `fusermount3 -u`. (The interpreter here lives
+# under /root, which another user cannot run: the path is what this checks, not permissions.)
+AS_USER = """
+import os, runpy, sys, types
+import objfs.kernel.session as session
+fake = types.ModuleType("os")
+fake.__dict__.update(os.__dict__)
+fake.geteuid = lambda: 65534
+session.os = fake
+sys.argv = ["objfs", *sys.argv[1:]]
+runpy.run_module("objfs", run_name="__main__", alter_sys=True)
+"""
+
+
+def test_without_root_the_kernel_transport_mounts_through_fusermount3(
+    s3: Any, s3_server: Any, bucket: str, tree: dict[str, bytes], tmp_path: Path
+) -> None:
+    """Without root the kernel transport asks fusermount3 to mount and takes the fd it
+    sends back (``_FUSE_COMMFD``), serves the same bytes, and on SIGTERM unmounts through
+    fusermount3 and exits 0."""
+    from objfs.mountinfo import mount_entry
+    from tests.conftest import mount_command, wait_mounted
+
+    mountpoint = tmp_path / "mnt"
+    mountpoint.mkdir()
+    log_path = tmp_path / "objfs.log"
+    cmd = mount_command(
+        f"s3://{bucket}/m", mountpoint, log_path, "--endpoint-url", s3_server.url, *KERNEL
+    )
+    assert cmd[1:3] == ["-m", "objfs"]
+    proc = subprocess.Popen(
+        [sys.executable, "-c", AS_USER, *cmd[3:]],
+        stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_mounted(mountpoint, proc, log_path)
+        lines = [
+            line
+            for line in Path("/proc/self/mountinfo").read_text().splitlines()
+            if f" {mountpoint} " in line
+        ]
+        assert len(lines) == 1, lines
+        assert " fuse.objfs " in lines[0]
+        for key, data in tree.items():
+            assert sha256((mountpoint / key[2:]).read_bytes()) == sha256(data), key
+        log = log_path.read_text()
+        assert f"mounted {mountpoint} through fusermount3" in log
+        assert "FUSE transport kernel" in log
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0, log_path.read_text()
+        assert mount_entry(str(mountpoint)) is None
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        subprocess.run(["umount", "-l", str(mountpoint)], capture_output=True, check=False)

@@ -2,18 +2,22 @@
 ``FileSystem.whole_on_disk``, on the core (memory backend, a real disk-cache directory).
 
 The kernel checks no hash, so a file is offered only when it holds exactly the version's
-bytes: every block listed and verified, no padding past the end; a damaged block is no
-passthrough, and normal reads then repair it; an inode served in cached mode stays cached.
+bytes: every block listed and verified (once per disk cache, recorded in the table file), no
+padding past the end; a damaged block is no passthrough, and normal reads then repair it; an
+inode served in cached mode stays cached.
 """
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 
 from objfs.backends.memory import MemoryBackend
+from objfs.disk_cache import DiskCache
 from objfs.fs import FileSystem
 from tests.test_read_path import (
     config,
@@ -85,3 +89,47 @@ async def test_a_version_not_whole_on_disk_is_no_passthrough(tmp_path: Path) -> 
     fs2 = FileSystem(backend, config())
     node2 = await fs2.lookup(1, b"g.bin")
     assert await fs2.whole_on_disk(node2.inode) is None
+
+
+def test_a_version_is_verified_once_per_disk_cache_until_its_files_change(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verification is recorded in the table file after the data is synced: another
+    process (a remount) offers the version without reading its bytes again. Dropping a
+    block, or a data file replaced under the table, voids the record."""
+    data = os.urandom(4 * MiB + 7)
+    etag = '"v1"'
+    reads: list[str] = []
+    original = DiskCache._first_bad_block
+
+    def counting(self: DiskCache, v: Any, lengths: Any) -> int | None:
+        reads.append(v.digest)
+        return original(self, v, lengths)
+
+    monkeypatch.setattr(DiskCache, "_first_bad_block", counting)
+    first = disk_cache(tmp_path / "c")
+    blocks = [data[i * MiB : (i + 1) * MiB] for i in range(5)]
+    assert first.write_blocks("p/s.bin", etag, 0, blocks) == 5
+    path = first.whole_version_file("p/s.bin", etag, len(data))
+    assert path is not None
+    assert first.whole_version_file("p/s.bin", etag, len(data)) == path
+    assert len(reads) == 1  # once in this process
+    # A remount: a new process offers it with no read of its bytes.
+    assert disk_cache(tmp_path / "c").whole_version_file("p/s.bin", etag, len(data)) == path
+    assert len(reads) == 1
+    # A dropped block voids the record (and the version is not whole until fetched again).
+    third = disk_cache(tmp_path / "c")
+    damage_blocks(third, "p/s.bin", etag, [3], "flip")
+    assert third.read_blocks("p/s.bin", etag, [3], [MiB]) == {}  # found, dropped
+    assert third.whole_version_file("p/s.bin", etag, len(data)) is None
+    assert third.write_blocks("p/s.bin", etag, 3, [blocks[3]]) == 1
+    fourth = disk_cache(tmp_path / "c")
+    assert fourth.whole_version_file("p/s.bin", etag, len(data)) == path
+    assert len(reads) == 2  # verified again
+    assert Path(path).read_bytes() == data
+    # The data file replaced under the table (another inode): verified again, damage found.
+    copy = Path(path).read_bytes()
+    os.unlink(path)
+    Path(path).write_bytes(copy[:1000] + bytes([copy[1000] ^ 1]) + copy[1001:])
+    assert disk_cache(tmp_path / "c").whole_version_file("p/s.bin", etag, len(data)) is None
+    assert len(reads) == 3

@@ -288,6 +288,7 @@ class KernelSession:
         if not fds:
             raise MountFailedError(f"mounting {target} failed (fusermount3 sent no fd)")
         os.set_inheritable(fds[0], False)
+        log.info("mounted %s through fusermount3", target)
         return fds[0]
 
     # -- serving -------------------------------------------------------------------------
