@@ -277,6 +277,9 @@ class DiskCache:
         self._lock = threading.Lock()
         # Versions whose every block was read and verified (see whole_version_file).
         self._verified: set[str] = set()
+        # Blocks this process wrote (hashed as they went out) or read back intact, by
+        # version: (key, etag, indexes). A version they cover whole can be sealed (see seal).
+        self._checked: dict[str, tuple[str, str, set[int]]] = {}
         self._evicting = threading.Lock()
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # digest -> entry, LRU first
         self._total = 0  # sum of the index's allocated bytes
@@ -546,7 +549,36 @@ class DiskCache:
                 self._failed("settling the size ledger in", self.root, exc)
         with self._lock:
             self.writes += stored
+            if stored:
+                self._checked_blocks(v, key, etag).update(range(first_index, first_index + stored))
         return stored
+
+    def _checked_blocks(self, v: _Version, key: str, etag: str) -> set[int]:
+        """(Under the lock) The checked blocks of ``v`` (see ``_checked``)."""
+        found = self._checked.get(v.digest)
+        if found is None:
+            found = self._checked[v.digest] = (key, etag, set())
+        return found[2]
+
+    def checked_versions(self) -> list[tuple[str, str]]:
+        """(key, etag) of the versions this process wrote or read blocks of."""
+        with self._lock:
+            return [(key, etag) for key, etag, _ in self._checked.values()]
+
+    def seal(self, key: str, etag: str, size: int) -> bool:
+        """Record version (key, etag) of ``size`` bytes as verified whole for passthrough
+        (``_STAMP``, see whole_version_file) when this process checked every one of its
+        blocks (wrote them, hashed as they went out, or read them back intact): no read of
+        its bytes, here or in the next process. The data is synced to disk first. True when
+        the version is recorded (now or before); False when a block is missing or was not
+        checked here."""
+        if not self.enabled or size <= 0:
+            return False
+        v = self._version(key, etag)
+        count = (size + self.block_size - 1) // self.block_size
+        if v.digest not in self._verified and not self._covered(v, count):
+            return False
+        return self.whole_version_file(key, etag, size) is not None
 
     def whole_version_file(self, key: str, etag: str, size: int) -> str | None:
         """The data file of version (key, etag) when it holds exactly the object's ``size``
@@ -554,9 +586,10 @@ class DiskCache:
 
         Exactly: every block is listed in the table; the file is cut to ``size`` (an O_DIRECT
         write pads the last block to a page), so it has no padding past the object's end, and
-        no holes (block ``i`` fills ``[i * block_size, ...)``); and every block was read and
-        verified against its hash once for this disk cache (a damaged block is dropped, so
-        normal reads fetch and rewrite it, and this answers None). The verification is
+        no holes (block ``i`` fills ``[i * block_size, ...)``); and every block was checked
+        against its hash once for this disk cache: written by this process (hashed as it went
+        out) or read back intact by it, else read and verified now (a damaged block is
+        dropped, so normal reads fetch and rewrite it, and this answers None). The check is
         recorded in the table file (``_STAMP``: the data file's inode and size and a hash of
         the table) after the data is synced to disk, so a remount serves the version with no
         read of its bytes; dropping a block, rewriting the table, replacing or resizing the
@@ -583,16 +616,24 @@ class DiskCache:
         if v.digest not in self._verified:
             stamp = self._stamp(v, len(lengths))
             if stamp is None or not self._stamped(v, stamp):
-                bad = self._first_bad_block(v, lengths)
-                if bad is not None:
-                    # Read it the usual way, which finds the damage and drops the block.
-                    self.read_blocks(key, etag, [bad], [lengths[bad]])
-                    return None
+                if not self._covered(v, len(lengths)):
+                    log.info("disk cache: checking %s before its first passthrough", v.data_path)
+                    bad = self._first_bad_block(v, lengths)
+                    if bad is not None:
+                        # Read it the usual way, which finds the damage and drops the block.
+                        self.read_blocks(key, etag, [bad], [lengths[bad]])
+                        return None
                 if stamp is not None:
                     self._record_stamp(v, stamp)
             with self._lock:
                 self._verified.add(v.digest)
         return v.data_path
+
+    def _covered(self, v: _Version, count: int) -> bool:
+        """Whether this process checked every one of the ``count`` blocks of ``v``."""
+        with self._lock:
+            found = self._checked.get(v.digest)
+            return found is not None and all(i in found[2] for i in range(count))
 
     def _stamp(self, v: _Version, count: int) -> bytes | None:
         """What ``_STAMP`` holds for ``v`` as its files are now (``count`` blocks); None when
@@ -740,6 +781,8 @@ class DiskCache:
         if any(not 0 < length <= self.block_size for _, length in wanted):
             raise ValueError(f"a block's length must be 1 to {self.block_size} bytes")
         v = self._version(key, etag)
+        with self._lock:
+            self._checked_blocks(v, key, etag)  # _verify adds the blocks found intact
         hits = 0
         try:
             with self._use(v, create=False) as files:
@@ -857,6 +900,10 @@ class DiskCache:
         if _hash(view) != data_hash:
             self._drop_block(v, files, index, "checksum mismatch")
             return False
+        with self._lock:
+            found = self._checked.get(v.digest)
+            if found is not None:
+                found[2].add(index)
         return True
 
     def _drop_block(self, v: _Version, files: _Files, index: int, problem: str) -> None:
@@ -875,6 +922,9 @@ class DiskCache:
                 os.pwrite(files.index_fd, bytes(_STAMP.size), v.table_offset - _STAMP.size)
         with self._lock:
             self._verified.discard(v.digest)
+            found = self._checked.get(v.digest)
+            if found is not None:
+                found[2].discard(index)
 
     # -- writing ---------------------------------------------------------------------------
 

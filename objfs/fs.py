@@ -1173,9 +1173,31 @@ class FileSystem:
             # to them) are fetched again now rather than when the mount is next idle.
             await self.fetcher.store_lost_now(handle.key, handle.etag)
             await self.fetcher.check_on_disk(handle)
+            # Recorded as checked: the next mount serves it by passthrough with no re-read.
+            disk = self.disk
+            await trio.to_thread.run_sync(disk.seal, handle.key, handle.etag, handle.size)
         finally:
             self.release(fh)
         return done
+
+    async def seal_disk_versions(self) -> int:
+        """Record every file version this mount wrote or read whole through the disk tier
+        as checked (``DiskCache.seal``), so that the next mount serves them by passthrough
+        with no read of their bytes; returns how many are recorded. For the end of a mount,
+        once the disk writes are flushed."""
+        disk = self.disk
+        if disk is None or not disk.enabled:
+            return 0
+        wanted = set(disk.checked_versions())
+        sizes = {
+            (node.key, node.etag): node.size
+            for node in self._nodes.values()
+            if not node.is_dir and (node.key, node.etag) in wanted
+        }
+        sealed = 0
+        for (key, etag), size in sizes.items():
+            sealed += await trio.to_thread.run_sync(disk.seal, key, etag, size)
+        return sealed
 
     def statistics(self) -> dict[str, int]:
         return {

@@ -467,6 +467,11 @@ async def serve_async(
             # Blocks fetched but not yet on disk are what the next mount would miss.
             with trio.move_on_after(_DISK_FLUSH_TIMEOUT_S):
                 await fs.flush_disk_writes()
+                # Versions whole on disk are recorded as checked: the next mount serves
+                # them by FUSE passthrough without reading them first.
+                sealed = await fs.seal_disk_versions()
+                if sealed:
+                    log.info("%d file versions whole in the disk cache recorded as checked", sealed)
             nursery.cancel_scope.cancel()
     finally:
         with trio.CancelScope(shield=True):

@@ -343,18 +343,29 @@ def test_a_damaged_block_in_the_disk_cache_is_read_normally_then_repaired_then_p
     s3: Any, s3_server: Any, bucket: str, tmp_path: Path
 ) -> None:
     """The kernel checks no hash: a version whose cache file has a damaged block is never
-    offered by passthrough. The mount verifies the file before the first passthrough open,
-    finds the damage and serves the file by normal reads, which fetch the block again and
-    write it back; the next mount offers the repaired file by passthrough."""
-    from tests.conftest import cached_mount_command, run_mount
+    offered by passthrough. A version not recorded as checked (its writer was killed before
+    it could record it) is read and verified before its first passthrough open; the damage is
+    found, the file is served by normal reads, which fetch the block again and write it
+    back, and that mount records it at its end; the next mount offers the repaired file by
+    passthrough with no check."""
+    from tests.conftest import cached_mount_command, run_mount, wait_mounted
 
     data = os.urandom(5 * MiB + 4097)
     put_many(s3, bucket, {"m/d.bin": data})
     cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
     cmd = [*cmd, *KERNEL]
-    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
-        warmed = run_objfs("warm", "--cache-only", str(m.path / "d.bin"))
-        assert warmed.returncode == 0, warmed.stderr
+    log_path = tmp_path / "objfs.log"
+    first = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        wait_mounted(mountpoint, first, log_path)
+        assert sha256((mountpoint / "d.bin").read_bytes()) == sha256(data)
+        deadline = time.monotonic() + 30
+        while _status(mountpoint)["disk"]["writes"] < 6:  # all 6 blocks on disk
+            assert time.monotonic() < deadline, "the blocks never reached the disk cache"
+        first.kill()  # before the end of the mount, where it would record them as checked
+        first.wait(timeout=30)
+    finally:
+        _end(None, mountpoint, first)
     damaged = _version_file(tmp_path / "cache", len(data))
     with open(damaged, "r+b") as f:
         f.seek(2 * MiB + 10)
@@ -367,14 +378,46 @@ def test_a_damaged_block_in_the_disk_cache_is_read_normally_then_repaired_then_p
         reads, passthrough = _served_reads(m.path)
         assert passthrough == 0  # the damaged version was not offered
         assert reads > before  # the daemon served it
+        assert "before its first passthrough" in log_path.read_text()
     assert damaged.read_bytes()[: len(data)] == data  # repaired
+    checks = log_path.read_text().count("before its first passthrough")
     with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
         before, _ = _served_reads(m.path)
         assert sha256((m.path / "d.bin").read_bytes()) == sha256(data)
         reads, passthrough = _served_reads(m.path)
         assert passthrough == 1
         assert reads == before
+    assert log_path.read_text().count("before its first passthrough") == checks  # no re-read
     assert damaged.read_bytes() == data  # and cut to the object's size for passthrough
+
+
+def test_a_remount_serves_what_the_last_mount_fetched_by_passthrough_with_no_check(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """Blocks a mount fetched and wrote were hashed as they went out: at its end it records
+    the versions whole on disk as checked, and the next mount opens them by passthrough
+    without reading them first."""
+    from tests.conftest import cached_mount_command, run_mount
+
+    data = os.urandom(7 * MiB + 3)
+    put_many(s3, bucket, {"m/r.bin": data})
+    cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+    cmd = [*cmd, *KERNEL]
+    log_path = tmp_path / "objfs.log"
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        assert sha256((m.path / "r.bin").read_bytes()) == sha256(data)
+    assert "1 file versions whole in the disk cache recorded as checked" in log_path.read_text()
+    with run_mount(cmd, mountpoint, tmp_path / "mount.out") as m:
+        before, _ = _served_reads(m.path)
+        with (
+            open(m.path / "r.bin", "rb") as fp,
+            mmap.mmap(fp.fileno(), 0, prot=mmap.PROT_READ) as mapped,
+        ):
+            assert sha256(mapped[:]) == sha256(data)
+        reads, passthrough = _served_reads(m.path)
+        assert passthrough == 1
+        assert reads == before
+    assert "before its first passthrough" not in log_path.read_text()
 
 
 def test_a_passthrough_handle_keeps_its_version_through_a_replacement_and_an_eviction(

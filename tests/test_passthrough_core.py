@@ -107,9 +107,10 @@ def test_a_version_is_verified_once_per_disk_cache_until_its_files_change(
         return original(self, v, lengths)
 
     monkeypatch.setattr(DiskCache, "_first_bad_block", counting)
-    first = disk_cache(tmp_path / "c")
     blocks = [data[i * MiB : (i + 1) * MiB] for i in range(5)]
-    assert first.write_blocks("p/s.bin", etag, 0, blocks) == 5
+    # Written by another process (which did not seal it): this one reads it to check it.
+    assert disk_cache(tmp_path / "c").write_blocks("p/s.bin", etag, 0, blocks) == 5
+    first = disk_cache(tmp_path / "c")
     path = first.whole_version_file("p/s.bin", etag, len(data))
     assert path is not None
     assert first.whole_version_file("p/s.bin", etag, len(data)) == path
@@ -122,7 +123,7 @@ def test_a_version_is_verified_once_per_disk_cache_until_its_files_change(
     damage_blocks(third, "p/s.bin", etag, [3], "flip")
     assert third.read_blocks("p/s.bin", etag, [3], [MiB]) == {}  # found, dropped
     assert third.whole_version_file("p/s.bin", etag, len(data)) is None
-    assert third.write_blocks("p/s.bin", etag, 3, [blocks[3]]) == 1
+    assert disk_cache(tmp_path / "c").write_blocks("p/s.bin", etag, 3, [blocks[3]]) == 1
     fourth = disk_cache(tmp_path / "c")
     assert fourth.whole_version_file("p/s.bin", etag, len(data)) == path
     assert len(reads) == 2  # verified again
@@ -133,3 +134,42 @@ def test_a_version_is_verified_once_per_disk_cache_until_its_files_change(
     Path(path).write_bytes(copy[:1000] + bytes([copy[1000] ^ 1]) + copy[1001:])
     assert disk_cache(tmp_path / "c").whole_version_file("p/s.bin", etag, len(data)) is None
     assert len(reads) == 3
+
+
+def test_a_version_this_process_wrote_whole_is_sealed_without_a_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Blocks a process wrote were hashed as they went out: once the version is whole it is
+    recorded as checked with no read of its bytes, and the next process (a remount) serves it
+    by passthrough with none either. A version with a block written by another process is
+    not sealed: its first passthrough open reads it."""
+    reads: list[str] = []
+    original = DiskCache._first_bad_block
+
+    def counting(self: DiskCache, v: Any, lengths: Any) -> int | None:
+        reads.append(v.digest)
+        return original(self, v, lengths)
+
+    monkeypatch.setattr(DiskCache, "_first_bad_block", counting)
+    data = os.urandom(3 * MiB + 5)
+    blocks = [data[i * MiB : (i + 1) * MiB] for i in range(4)]
+    writer = disk_cache(tmp_path / "c")
+    assert writer.write_blocks("p/w.bin", '"e"', 0, blocks[:2]) == 2
+    assert not writer.seal("p/w.bin", '"e"', len(data))  # not whole yet
+    assert writer.write_blocks("p/w.bin", '"e"', 2, blocks[2:]) == 2
+    assert writer.seal("p/w.bin", '"e"', len(data))
+    assert reads == []
+    path = disk_cache(tmp_path / "c").whole_version_file("p/w.bin", '"e"', len(data))
+    assert path is not None
+    assert Path(path).read_bytes() == data
+    assert reads == []
+    # Half written by one process, half by another: neither can seal it.
+    one, two = disk_cache(tmp_path / "d"), disk_cache(tmp_path / "d")
+    assert one.write_blocks("p/h.bin", '"e"', 0, blocks[:2]) == 2
+    assert two.write_blocks("p/h.bin", '"e"', 2, blocks[2:]) == 2
+    assert not one.seal("p/h.bin", '"e"', len(data))
+    assert not two.seal("p/h.bin", '"e"', len(data))
+    assert disk_cache(tmp_path / "d").whole_version_file("p/h.bin", '"e"', len(data)) == str(
+        Path(one.locate("p/h.bin", '"e"', 0).data_path)
+    )
+    assert len(reads) == 1  # read and verified at its first passthrough
