@@ -922,18 +922,20 @@ class FileSystem:
                 await self.fetcher.demand(handle, index)
         joined = self.cache.span(keys)
         if joined is not None:
-            # No await from the check to the reply: nothing can evict or recycle them.
+            # No await from the check to the reply: nothing can recycle them. Pinned before
+            # they are marked used: marking one used may evict the least recently used, which
+            # must not be another block of this reply while a writer thread still needs it.
+            self._hold_blocks(keys, holds)
             for index in range(first, last + 1):
                 self._cached(handle, index, to_end=self._reaches_end(handle, index, end))
-            self._hold_blocks(keys, holds)
             self.reads_spanned += 1
             return joined[offset - first * bs : end - first * bs]
         parts = self._scatter(keys, first, offset, end) if holds is not None else None
         if parts is not None:
-            # No await from the check to the reply, as above.
+            # No await from the check to the reply, and pinned first, as above.
+            self._hold_blocks(keys, holds)
             for index in range(first, last + 1):
                 self._cached(handle, index, to_end=self._reaches_end(handle, index, end))
-            self._hold_blocks(keys, holds)
             self.reads_scattered += 1
             return parts
         # Else it is assembled in a pooled buffer charged to the reply share: no

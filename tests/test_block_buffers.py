@@ -628,3 +628,43 @@ async def test_a_read_across_blocks_apart_in_memory_is_a_view_per_block_when_hel
         for fh in handles:
             fs.release(fh)
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("adjacent", [True, False])
+async def test_a_held_reply_across_blocks_keeps_its_bytes_while_other_reads_evict(
+    adjacent: bool,
+) -> None:
+    """A read across 4 blocks answered with views (one view over adjacent buffers, or one per
+    block) pins every block before it marks them used: marking one used evicts the least
+    recently used block when used blocks are over their cap, and that must not be another
+    block of this reply, whose buffer a writer thread has yet to copy from. Other reads then
+    recycle every free buffer; the reply's bytes stay right until its holds run."""
+    a, b = os.urandom(8 * MiB), os.urandom(16 * MiB)
+    backend = MemoryBackend()
+    backend.put("p/a.bin", a)
+    backend.put("p/b.bin", b)
+    async with trio.open_nursery() as nursery:
+        fs = FileSystem(backend, config(memory_limit_bytes=16 * MiB, part_size_bytes=MiB))
+        fs.start(nursery)
+        node = await fs.lookup(ROOT_INODE, b"a.bin")
+        fa, _ = await fs.open(node.inode, os.O_RDONLY)
+        other = await fs.lookup(ROOT_INODE, b"b.bin")
+        fb, _ = await fs.open(other.inode, os.O_RDONLY)
+        for index in range(4):  # blocks 0-3 of a cached, not yet used
+            await fs.read(fa, index * MiB + 5, 4096)
+            if not adjacent:
+                await fs.read(fb, index * MiB + 5, 4096)
+        fs.cache.used_limit_bytes = MiB  # one used block at most: marking used evicts
+        holds: list[Callable[[], None]] = []
+        got = await fs.read(fa, 100, 4 * MiB - 200, holds=holds)
+        parts = got if isinstance(got, list) else [got]
+        assert len(holds) == 4  # every block pinned
+        # Other reads take every buffer they can.
+        for offset in range(0, 16 * MiB, MiB):
+            await fs.read(fb, offset, MiB)
+        assert b"".join(parts) == a[100 : 4 * MiB - 100]
+        for release in holds:
+            release()
+        fs.release(fa)
+        fs.release(fb)
+        nursery.cancel_scope.cancel()
