@@ -9,7 +9,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.objfs-installed
 # systemd: systemd-analyze verifies the unit in systemd/; strace: the test of the unit's
 # system-call filter.
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux systemd strace openssl
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux systemd strace openssl nginx-light
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 

@@ -17,6 +17,7 @@ from typing import NoReturn
 
 from objfs import __version__
 from objfs.backends.base import Backend
+from objfs.cache_engine import parse_engine_url
 from objfs.config import (
     ACCOUNT_NAME_RE,
     FUSE_TRANSPORTS,
@@ -87,6 +88,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--endpoint-url",
         metavar="URL",
         help="S3-compatible endpoint, e.g. http://minio:9000 (default: $AWS_ENDPOINT_URL)",
+    )
+    store.add_argument(
+        "--cache-proxy",
+        metavar="URL",
+        help="send data GETs through this cache engine (nginx proxy_cache, Dragonfly) as "
+        "presigned URLs, reading from the store directly while it fails; s3:// sources",
     )
     store.add_argument("--region", help="region (default: $AWS_REGION / profile, else us-east-1)")
     store.add_argument("--profile", help="AWS profile from ~/.aws/config")
@@ -383,6 +390,7 @@ _S3_OPTIONS = {
     "profile": "--profile",
     "force_path_style": "--force-path-style",
     "ca_bundle": "--ca-bundle",
+    "cache_proxy": "--cache-proxy",
 }
 _AZURE_OPTIONS = {
     "account_name": "--account-name",
@@ -431,6 +439,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         force_path_style=args.force_path_style,
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
+        cache_proxy=parse_engine_url(args.cache_proxy) if args.cache_proxy else None,
         **timeouts,
     )
     if not 0 <= args.read_ahead_kb <= 1 << 20:

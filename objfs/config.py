@@ -266,6 +266,9 @@ class S3Options:
     # Enough parallel parts to keep a fast link busy (AWS: one connection per 85-90 MB/s);
     # the memory budget bounds how many parts are in flight at once.
     max_connections: int = 32
+    # --cache-proxy: data GETs go through this cache engine as presigned URLs (see
+    # objfs.cache_engine); None: straight to the store.
+    cache_proxy: str | None = None
 
     def path_style(self) -> bool:
         if self.force_path_style is not None:

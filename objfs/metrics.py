@@ -186,6 +186,9 @@ class InstrumentedBackend(Backend):
             await self.inner.read_into(key, etag, start, views)
             received.append(length)
 
+    def cache_engine_statistics(self) -> dict[str, int] | None:
+        return self.inner.cache_engine_statistics()
+
     async def aclose(self) -> None:
         await self.inner.aclose()
 
@@ -476,6 +479,8 @@ class Telemetry:
                 "limit_bytes": fs.get("budget_bytes", self.config.memory_limit_bytes),
             },
             "disk": disk,
+            # --cache-proxy: bytes through the engine and straight from the store meanwhile.
+            "cache_engine": self.backend.cache_engine_statistics(),
             "open_files": fs.get("open_files", 0),
             "inodes": fs.get("inodes", 0),
             "metadata": {

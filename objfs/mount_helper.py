@@ -25,6 +25,7 @@ VALUE_OPTIONS = {
     key: "--" + key.replace("_", "-")
     for key in (
         "endpoint_url",
+        "cache_proxy",
         "region",
         "profile",
         "ca_bundle",

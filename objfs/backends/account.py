@@ -140,6 +140,14 @@ class AccountBackend(Backend):
         bucket, rest = split_key(key)
         await (await self.bucket(bucket)).read_into(rest, etag, start, views)
 
+    def cache_engine_statistics(self) -> dict[str, int] | None:
+        # The buckets' backends share one engine (S3Backend.for_bucket).
+        for backend in self._buckets.values():
+            found = backend.cache_engine_statistics()
+            if found is not None:
+                return found
+        return None
+
     async def aclose(self) -> None:
         # The buckets' backends share the account's connections: closing it closes them.
         await self.account.aclose()

@@ -179,5 +179,10 @@ class Backend(abc.ABC):
         finally:
             await pages.aclose()  # type: ignore[attr-defined]
 
+    def cache_engine_statistics(self) -> dict[str, int] | None:
+        """What data GETs did through ``--cache-proxy`` (see objfs.cache_engine); None
+        without one."""
+        return None
+
     async def aclose(self) -> None:  # noqa: B027 - optional hook, most backends hold nothing
         """Release connections and threads."""

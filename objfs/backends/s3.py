@@ -41,6 +41,7 @@ import logging
 import os
 import random
 import re
+import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -65,6 +66,7 @@ from objfs.backends.base import (
     reply_version_error,
     version_pin,
 )
+from objfs.cache_engine import CacheEngine
 from objfs.config import S3Options, redact_url
 from objfs.credentials import CredentialWatch
 from objfs.errors import (
@@ -89,6 +91,8 @@ log = logging.getLogger(__name__)
 _URL_EXPIRY_S = 900
 # Object URLs remembered (a model's files many times over); the table is emptied when full.
 _URL_CACHE_KEYS = 4096
+# How long a presigned URL sent to a --cache-proxy engine is valid; renewed at half of it.
+_PRESIGN_S = 3600
 # Retried replies (throttling and server errors); any other status is final.
 _RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 _RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
@@ -284,6 +288,10 @@ class S3Backend(Backend):
         self._urls: dict[tuple[str, str], tuple[S3Client, str]] = {}
         # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
         # the CAs botocore's clients use.
+        # --cache-proxy: data GETs through a cache engine as presigned URLs (shared with the
+        # backends for_bucket made); (bucket, key) -> (client, presigned URL, when to renew).
+        self._engine = CacheEngine(options.cache_proxy) if options.cache_proxy else None
+        self._presigned: dict[tuple[str, str], tuple[S3Client, str, float]] = {}
         self._data = rawhttp.ConnectionPool(
             connect_timeout_s=options.connect_timeout_s,
             read_timeout_s=options.read_timeout_s,
@@ -582,6 +590,8 @@ class S3Backend(Backend):
             headers["If-Match"] = condition
         tries = Tries(self.options.max_attempts, self._watch, _backoff_s)
         while True:
+            if self._engine is not None and self._get_via_engine(what, key, etag, start, views):
+                return
             url, signed = self._signed_get(key, headers)
             if rawhttp.uses_proxy(url):
                 try:
@@ -629,6 +639,78 @@ class S3Backend(Backend):
                 continue
             if not (self._is_refusal(error) and tries.refused()):
                 raise error
+
+    def _get_via_engine(
+        self, what: str, key: str, etag: str, start: int, views: Sequence[memoryview]
+    ) -> bool:
+        """(Worker thread) One try of the GET through the cache engine (``--cache-proxy``):
+        True when ``views`` hold the range of the pinned version; False when the caller must
+        read from the store directly (the engine is off for a while after a failure, or
+        failed now: see objfs.cache_engine). A URL never appears in what is logged."""
+        engine = self._engine
+        assert engine is not None
+        length = sum(len(v) for v in views)
+        routed = engine.route(self._presigned_url(key))
+        if routed is None:
+            engine.direct(length)
+            return False
+        headers = {"Range": f"bytes={start}-{start + length - 1}", "User-Agent": "objfs"}
+        condition = if_match(etag)
+        if condition:
+            headers["If-Match"] = condition
+        try:
+            reply = self._data.get_into(routed, headers, views)
+        except rawhttp.ConnectionFailed as exc:
+            engine.failed(f"connection failed: {str(exc).split(':', 1)[0]}")
+            engine.direct(length)
+            return False
+        problem = None
+        if reply.status in (200, 206):
+            problem = reply.body_error(start, length)
+            if problem is None:
+                try:
+                    total = content_range_total(reply.headers.get("Content-Range"))
+                    _check_version(
+                        what,
+                        etag,
+                        reply.headers.get("ETag"),
+                        reply.headers.get("Last-Modified"),
+                        total if total is not None else length,
+                    )
+                except StaleObjectError:
+                    problem = "it answered another version"
+                else:
+                    engine.served(length)
+                    return True
+        elif reply.status == 412:
+            # The store's answer that the pinned version is gone: the direct GET says so.
+            engine.direct(length)
+            return False
+        engine.failed(problem or f"HTTP {reply.status}")
+        engine.direct(length)
+        return False
+
+    def _presigned_url(self, key: str) -> str:
+        """A presigned GET URL for ``key`` (query authentication: the engine may re-range
+        the request), valid ``_PRESIGN_S``; signed again once half of that has passed, so a
+        GET never carries a URL about to expire. With --no-sign-request, the plain URL."""
+        client = self._client
+        now = time.monotonic()
+        known = self._presigned.get((self.bucket, key))
+        if known is not None and known[0] is client and now < known[2]:
+            return known[1]
+        url = client.generate_presigned_url(
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_PRESIGN_S
+        )
+        if self.options.no_sign_request:
+            url = url.split("?", 1)[0]
+        if len(self._presigned) >= _URL_CACHE_KEYS:
+            self._presigned.clear()
+        self._presigned[(self.bucket, key)] = (client, url, now + _PRESIGN_S / 2)
+        return url
+
+    def cache_engine_statistics(self) -> dict[str, int] | None:
+        return self._engine.statistics() if self._engine is not None else None
 
     def _signed_get(self, key: str, headers: dict[str, str]) -> tuple[str, dict[str, str]]:
         """The object's URL as botocore resolves it (endpoint, addressing style) and

@@ -66,7 +66,7 @@ NOT_HERE = {
 #: Options whose value is a path inside the sidecar's container: it must be absolute.
 PATH_OPTIONS = frozenset({"credentials-file", "sas-token-file", "ca-bundle", "cache-dir"})
 #: Options whose value is a URL: no user, password or query string (a SAS token) in it.
-URL_OPTIONS = frozenset({"endpoint-url", "account-url"})
+URL_OPTIONS = frozenset({"endpoint-url", "account-url", "cache-proxy"})
 
 _CREDENTIAL_LIKE = re.compile(
     r"secret|passw|token|\bsas\b|sas[-_.]|credential|connection[-_.]?string|account[-_.]?key"

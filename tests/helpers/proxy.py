@@ -54,6 +54,7 @@ class Request:
 class ProxyStats:
     requests: list[Request] = field(default_factory=list)
     connections: int = 0
+    response_bytes: int = 0  # bytes the server sent, heads and bodies, as forwarded
 
     def count(self) -> Counter[str]:
         c: Counter[str] = Counter()
@@ -409,6 +410,8 @@ class Proxy:
                     if allowance < 0:
                         time.sleep(-allowance / self.bytes_per_s)
                 client.sendall(data)
+                with self._lock:
+                    self.stats.response_bytes += len(data)
         except OSError:
             pass
         finally:
