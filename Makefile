@@ -40,7 +40,7 @@ sysdeps:
 	if [ -n "$$missing" ]; then \
 	  echo "apt-get install:$$missing"; \
 	  $(SUDO) apt-get update -qq && \
-	  DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
+	  DEBIAN_FRONTEND=noninteractive RUNLEVEL=1 $(SUDO) apt-get install -y -qq --no-install-recommends $$missing; \
 	fi
 
 $(STAMP): pyproject.toml

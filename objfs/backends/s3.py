@@ -348,8 +348,9 @@ class S3Backend(Backend):
             "s3": {"addressing_style": "path" if opts.path_style() else "auto"},
             "user_agent_extra": "objfs",
         }
-        if opts.no_sign_request:
-            config_kwargs["signature_version"] = UNSIGNED
+        # SigV4 also for presigned URLs (--cache-proxy), which botocore would otherwise sign
+        # with SigV2 where it still can; SigV2 is refused in newer AWS regions.
+        config_kwargs["signature_version"] = UNSIGNED if opts.no_sign_request else "s3v4"
         if region is None:
             region = (
                 opts.region
