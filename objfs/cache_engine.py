@@ -71,6 +71,7 @@ class CacheEngine:
         self.bytes_via_engine = 0
         self.bytes_direct = 0  # read from the store while the engine was off or failed
         self.failures = 0
+        self.urls_signed = 0
         self._down_until = 0.0
         self._down = False
         self._lock = threading.Lock()
@@ -84,6 +85,11 @@ class CacheEngine:
         parts = urllib.parse.urlsplit(store_url)
         target = self.base_url + (parts.path or "/")
         return target + ("?" + parts.query if parts.query else "")
+
+    def signed(self) -> None:
+        """A URL was signed (or signed again, its lifetime half over) for the engine."""
+        with self._lock:
+            self.urls_signed += 1
 
     def served(self, nbytes: int) -> None:
         """A GET through the engine brought ``nbytes`` of the pinned version."""
@@ -120,5 +126,6 @@ class CacheEngine:
                 "bytes_via_engine": self.bytes_via_engine,
                 "bytes_direct": self.bytes_direct,
                 "failures": self.failures,
+                "urls_signed": self.urls_signed,
                 "down": int(self._down),
             }

@@ -95,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="send data GETs through this cache engine (nginx proxy_cache, Dragonfly) as "
         "presigned URLs, reading from the store directly while it fails; s3:// sources",
     )
+    store.add_argument(
+        "--cache-proxy-url-lifetime",
+        metavar="SECONDS",
+        type=int,
+        help="how long each URL signed for --cache-proxy is valid, 2 to 604800; signed again "
+        "at half of it (default 3600)",
+    )
     store.add_argument("--region", help="region (default: $AWS_REGION / profile, else us-east-1)")
     store.add_argument("--profile", help="AWS profile from ~/.aws/config")
     store.add_argument(
@@ -391,12 +398,24 @@ _S3_OPTIONS = {
     "force_path_style": "--force-path-style",
     "ca_bundle": "--ca-bundle",
     "cache_proxy": "--cache-proxy",
+    "cache_proxy_url_lifetime": "--cache-proxy-url-lifetime",
 }
 _AZURE_OPTIONS = {
     "account_name": "--account-name",
     "account_url": "--account-url",
     "sas_token_file": "--sas-token-file",
 }
+
+
+def _url_lifetime(value: int | None) -> int:
+    """--cache-proxy-url-lifetime, checked: SigV4 allows at most 7 days."""
+    if value is None:
+        return S3Options.cache_proxy_url_lifetime_s
+    if not 2 <= value <= 604800:
+        raise UsageError(
+            f"--cache-proxy-url-lifetime: {value} is out of range: 2 to 604800 seconds"
+        )
+    return value
 
 
 def _check_store_options(args: argparse.Namespace, store: str) -> None:
@@ -440,6 +459,7 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
         cache_proxy=parse_engine_url(args.cache_proxy) if args.cache_proxy else None,
+        cache_proxy_url_lifetime_s=_url_lifetime(args.cache_proxy_url_lifetime),
         **timeouts,
     )
     if not 0 <= args.read_ahead_kb <= 1 << 20:

@@ -269,6 +269,8 @@ class S3Options:
     # --cache-proxy: data GETs go through this cache engine as presigned URLs (see
     # objfs.cache_engine); None: straight to the store.
     cache_proxy: str | None = None
+    # --cache-proxy-url-lifetime: each presigned URL's lifetime (signed again at half of it).
+    cache_proxy_url_lifetime_s: int = 3600
 
     def path_style(self) -> bool:
         if self.force_path_style is not None:

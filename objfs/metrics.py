@@ -752,6 +752,28 @@ class _Collector:
                 "Blocks that failed their checksum (dropped and fetched again).",
                 disk["corrupt"],
             )
+        engine = snap["cache_engine"]
+        if engine is not None:
+            yield counter(
+                "objfs_cache_engine_bytes",
+                "Data bytes that came through the --cache-proxy engine.",
+                engine["bytes_via_engine"],
+            )
+            yield counter(
+                "objfs_cache_engine_direct_bytes",
+                "Data bytes read from the store directly while the engine was failing.",
+                engine["bytes_direct"],
+            )
+            yield counter(
+                "objfs_cache_engine_failures",
+                "GETs the engine failed (each made objfs read from the store directly).",
+                engine["failures"],
+            )
+            yield gauge(
+                "objfs_cache_engine_up",
+                "1 while data GETs go through the engine, 0 while it is left alone.",
+                1 - engine["down"],
+            )
         meta = snap["metadata"]
         yield counter(
             "objfs_store_outages",

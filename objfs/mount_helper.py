@@ -26,6 +26,7 @@ VALUE_OPTIONS = {
     for key in (
         "endpoint_url",
         "cache_proxy",
+        "cache_proxy_url_lifetime",
         "region",
         "profile",
         "ca_bundle",

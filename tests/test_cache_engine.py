@@ -178,7 +178,14 @@ def test_a_failed_engine_is_left_alone_then_tried_again() -> None:
     assert e.route(signed) is not None
     e.served(5)
     e.direct(7)
-    assert e.statistics() == {"bytes_via_engine": 5, "bytes_direct": 7, "failures": 1, "down": 0}
+    e.signed()
+    assert e.statistics() == {
+        "bytes_via_engine": 5,
+        "bytes_direct": 7,
+        "failures": 1,
+        "urls_signed": 1,
+        "down": 0,
+    }
 
 
 def test_the_command_refuses_a_bad_engine_address(mnt: Path) -> None:

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import re
 import shutil
 import subprocess
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +18,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from objfs.cache_engine import parse_engine_url
 from objfs.cli import _mount_config, build_parser
 from objfs.config import MountConfig, parse_size
 from objfs.errors import ObjfsError
@@ -24,6 +27,8 @@ from objfs.sidecar import FLAG_OPTIONS, VALUE_OPTIONS, sidecar_command
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "k8s"
 CSI_EXAMPLE = K8S / "csi" / "example"
+CACHE_ENGINE = K8S / "cache-engine"
+TEMPLATE = CACHE_ENGINE / "nginx.conf.template"
 # The first release with native sidecars on by default, and the newest schemas bundled.
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
@@ -47,6 +52,7 @@ def test_there_are_manifests() -> None:
     kinds = {doc["kind"] for path in MANIFESTS for doc in documents(path)}
     assert {"Deployment", "DaemonSet", "Pod", "ServiceAccount", "Secret"} <= kinds
     assert {"CSIDriver", "PersistentVolume", "PersistentVolumeClaim", "Namespace"} <= kinds
+    assert {"StatefulSet", "Service", "NetworkPolicy"} <= kinds
     assert any(p.is_relative_to(CSI_EXAMPLE) for p in MANIFESTS)
 
 
@@ -86,7 +92,9 @@ def test_kustomizations_list_every_manifest() -> None:
 
 
 @pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) missing")
-@pytest.mark.parametrize("folder", ["k8s", "k8s/csi", "k8s/csi/example", "k8s/sidecar", "k8s/node"])
+@pytest.mark.parametrize(
+    "folder", ["k8s", "k8s/csi", "k8s/csi/example", "k8s/sidecar", "k8s/node", "k8s/cache-engine"]
+)
 def test_kustomize_builds_valid_objects(folder: str) -> None:
     res = subprocess.run(
         ["kubectl", "kustomize", str(ROOT / folder)],
@@ -102,6 +110,7 @@ def test_kustomize_builds_valid_objects(folder: str) -> None:
         names = {(d["kind"], d["metadata"]["name"]) for d in docs}
         assert {("CSIDriver", "csi.objfs.dev"), ("Deployment", "vllm-llama-csi")} <= names
         assert {("Deployment", "vllm-llama"), ("DaemonSet", "objfs-node")} <= names
+        assert {("StatefulSet", "objfs-cache"), ("NetworkPolicy", "objfs-cache")} <= names
     for doc in docs:
         for version in VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
@@ -736,3 +745,358 @@ def test_readme_pod_snippet_matches_the_example() -> None:
     for path in MANIFESTS:
         if path.is_relative_to(K8S / "csi"):
             assert path.name in section, path.name
+
+
+# -- the shared cache engine (k8s/cache-engine) and the examples' --cache-proxy ----------------
+
+
+def cache_kustomization() -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load((CACHE_ENGINE / "kustomization.yaml").read_text())
+    return doc
+
+
+def cache_statefulset() -> dict[str, Any]:
+    return find("StatefulSet", "objfs-cache")
+
+
+def nginx_container() -> dict[str, Any]:
+    (container,) = cache_statefulset()["spec"]["template"]["spec"]["containers"]
+    return container
+
+
+def expand(value: str, env: dict[str, str]) -> str:
+    """Kubernetes's expansion of an env value, command or arg: $(NAME) of a variable defined
+    before it, $$ for $, anything else as it is."""
+
+    def one(match: re.Match[str]) -> str:
+        if match.group(0) == "$$":
+            return "$"
+        return env.get(match.group(1), match.group(0))
+
+    return re.sub(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_]*)\)", one, value)
+
+
+def container_env(container: dict[str, Any], namespace: str) -> dict[str, str]:
+    """The container's environment as the kubelet sets it, in ``namespace``."""
+    env: dict[str, str] = {}
+    for entry in container.get("env", []):
+        if "value" in entry:
+            env[entry["name"]] = expand(entry["value"], env)
+        else:
+            assert entry["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}, entry
+            env[entry["name"]] = namespace
+    return env
+
+
+def cache_env() -> dict[str, str]:
+    return container_env(nginx_container(), cache_kustomization()["namespace"])
+
+
+def nginx_size(text: str) -> int:
+    """A size as nginx reads it (slice, max_size): a number, k, m or g (binary)."""
+    m = re.fullmatch(r"(\d+)([kKmMgG]?)", text)
+    assert m, f"{text!r} is not an nginx size"
+    return int(m.group(1)) << {"": 0, "k": 10, "m": 20, "g": 30}[m.group(2).lower()]
+
+
+def port_named(container: dict[str, Any], name: str) -> int:
+    (port,) = [p["containerPort"] for p in container["ports"] if p["name"] == name]
+    return int(port)
+
+
+def start_script() -> str:
+    container = nginx_container()
+    assert container["command"] == ["/bin/sh", "-c"]
+    (script,) = container["args"]
+    return str(script)
+
+
+def test_cache_engine_nodes_are_every_replica_by_its_peer_name() -> None:
+    statefulset = cache_statefulset()
+    namespace = cache_kustomization()["namespace"]
+    assert find("Namespace", namespace)
+    spec = statefulset["spec"]
+    headless = find("Service", spec["serviceName"])
+    assert headless["spec"]["clusterIP"] == "None"
+    pod_labels = spec["template"]["metadata"]["labels"]
+    assert headless["spec"]["selector"] == spec["selector"]["matchLabels"] == pod_labels
+    env = cache_env()
+    container = nginx_container()
+    cache_port = port_named(container, "cache")
+    assert int(env["CACHE_PORT"]) == cache_port
+    (peer_port,) = headless["spec"]["ports"]
+    assert peer_port["targetPort"] == "cache"
+    assert peer_port["port"] == cache_port  # peers connect to the pods' own port
+    entries = [e.strip() for e in env["CACHE_NODES"].split(";") if e.strip()]
+    name = statefulset["metadata"]["name"]
+    service = headless["metadata"]["name"]
+    assert entries == [
+        f"server {name}-{i}.{service}.{namespace}.svc.cluster.local:{cache_port} resolve"
+        for i in range(spec["replicas"])
+    ]
+    assert spec["replicas"] >= 2
+
+
+def test_the_cache_engine_expander_follows_kubernetes() -> None:
+    env = {"A": "x"}
+    assert expand("$(A).$(B):$$(A)$$", env) == "x.$(B):$(A)$"
+    container = {"env": [{"name": "A", "value": "1"}, {"name": "B", "value": "$(A)-$(C)"}]}
+    assert container_env(container, "ns") == {"A": "1", "B": "1-$(C)"}
+
+
+def test_cache_engine_slice_is_objfs_part_size() -> None:
+    slice_size = nginx_size(cache_env()["SLICE_SIZE"])
+    assert slice_size == MountConfig.part_size_bytes
+    args = build_parser().parse_args(["mount", "s3://bucket/prefix", "/mnt"])
+    assert slice_size == _mount_config(args).part_size_bytes
+
+
+def test_cache_engine_envsubst_fills_every_placeholder_and_nothing_else() -> None:
+    script = start_script()
+    (listed,) = re.findall(r"envsubst '([^']*)'", script)
+    names = re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", listed)
+    assert listed.split() == ["${" + n + "}" for n in names]  # nothing but ${NAME}s
+    assert len(set(names)) == len(names)
+    placeholders = set(re.findall(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}", TEMPLATE.read_text()))
+    assert set(names) == placeholders
+    assert {"uri", "http_if_match", "slice_range"}.isdisjoint(names)  # nginx's own
+    env = cache_env()
+    assert placeholders <= set(env), placeholders - set(env)
+    assert all(env[n] for n in placeholders)
+    # One line each: the template quotes some in its comments (a second line would be live).
+    assert all("\n" not in env[n] for n in placeholders)
+    # It reads the template from the ConfigMap the generator makes of nginx.conf.template,
+    # writes nginx.conf where nginx reads it.
+    (source, target) = re.findall(r"<\s*(\S+)\s*>\s*(\S+)", script)[0]
+    (generator,) = cache_kustomization()["configMapGenerator"]
+    (key,) = generator["files"]
+    spec = cache_statefulset()["spec"]["template"]["spec"]
+    (volume,) = [v for v in spec["volumes"] if "configMap" in v]
+    assert volume["configMap"]["name"] == generator["name"]
+    mount = mount_of(nginx_container(), volume["name"])
+    assert mount["readOnly"] is True
+    assert (CACHE_ENGINE / key).resolve() == TEMPLATE.resolve()
+    assert source == f"{mount['mountPath']}/{key}"
+    assert re.search(r"exec nginx -e stderr -c " + re.escape(target) + " -g 'daemon off;'", script)
+
+
+def nginx_version() -> tuple[int, ...] | None:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    try:
+        res = subprocess.run([nginx, "-v"], capture_output=True, text=True, timeout=30)
+    except OSError:
+        return None
+    m = re.search(r"nginx/(\d+)\.(\d+)\.(\d+)", res.stderr)
+    return tuple(int(x) for x in m.groups()) if m else None
+
+
+@pytest.mark.skipif(shutil.which("envsubst") is None, reason="envsubst (gettext) missing")
+@pytest.mark.parametrize(
+    ("nameserver", "resolver"), [("10.96.0.10", "10.96.0.10"), ("fd00:10:96::a", "[fd00:10:96::a]")]
+)
+def test_cache_engine_start_script_renders_the_configuration(
+    tmp_path: Path, nameserver: str, resolver: str
+) -> None:
+    """The container's script, run here with its paths moved under tmp_path and nginx left
+    out: the nginx.conf it renders."""
+    script = start_script()
+    template_path = f"{mount_of(nginx_container(), 'template')['mountPath']}/{TEMPLATE.name}"
+    exec_line = next(line for line in script.splitlines() if line.startswith("exec nginx "))
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text(f"search objfs.svc.cluster.local\nnameserver {nameserver}\n")
+    for old, new in (
+        ("/etc/resolv.conf", str(resolv)),
+        (template_path, str(TEMPLATE)),
+        (exec_line, "exit 0"),
+    ):
+        assert old in script
+        script = script.replace(old, new)
+    env = cache_env()
+    run_dir, cache_dir = tmp_path / "run", tmp_path / "cache"
+    run_dir.mkdir()
+    env.update(RUN_DIR=str(run_dir), CACHE_DIR=str(cache_dir), PATH="/usr/bin:/bin")
+    res = subprocess.run(
+        ["/bin/sh", "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert res.returncode == 0, res.stderr
+    text = (run_dir / "nginx.conf").read_text()
+    assert "${" not in text
+    for variable in ("$uri", "$http_if_match", "$slice_range", "$http_range", "$remote_addr"):
+        assert variable in text, variable
+    upstream = text[text.index("upstream objfs_cache_nodes {") :]
+    upstream = upstream[: upstream.index("}")]
+    assert f"zone objfs_cache_nodes 1m; resolver {resolver} valid=10s; server " in upstream
+    assert upstream.count(" resolve;") == cache_statefulset()["spec"]["replicas"]
+    assert f"slice {env['SLICE_SIZE']};" in text
+    assert f"proxy_pass {env['ORIGIN_URL']};" in text
+    assert f"proxy_set_header Host {env['ORIGIN_HOST']};" in text
+    assert f"max_size={env['CACHE_MAX_SIZE']}" in text
+    # Logs go to the container's output, never to the size-limited emptyDir.
+    assert os.readlink(run_dir / "access.log") == "/dev/stdout"
+    assert os.readlink(run_dir / "error.log") == "/dev/stderr"
+    version = nginx_version()
+    if version is None or version < (1, 27, 3):
+        return  # no `resolve` in upstreams: tests/test_cache_engine.py checks the rest
+    # An origin that resolves here; the peers are resolved later, by nginx's resolver.
+    text = text.replace(env["ORIGIN_URL"], "http://127.0.0.1:9")
+    (run_dir / "nginx.conf").write_text(text)
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    res = subprocess.run(
+        [nginx, "-t", "-e", "stderr", "-c", str(run_dir / "nginx.conf"), "-p", str(run_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert res.returncode == 0, res.stderr
+
+
+def test_cache_engine_runs_unprivileged_on_its_own_disk() -> None:
+    statefulset = cache_statefulset()
+    spec = statefulset["spec"]["template"]["spec"]
+    assert restricted_violations(spec) == []
+    namespace = find("Namespace", cache_kustomization()["namespace"])["metadata"]["labels"]
+    assert namespace["pod-security.kubernetes.io/enforce"] == "restricted"
+    assert spec["automountServiceAccountToken"] is False
+    container = nginx_container()
+    security = container["securityContext"]
+    assert security["readOnlyRootFilesystem"] is True
+    assert security["runAsUser"] == spec["securityContext"]["fsGroup"] == 101  # nginx's user
+    assert spec["securityContext"]["fsGroupChangePolicy"] == "OnRootMismatch"
+    # The official image, new enough for `resolve` in upstreams.
+    image, tag = container["image"].rsplit(":", 1)
+    assert image == "nginx"
+    assert tuple(int(x) for x in tag.split(".")) >= (1, 27, 3)
+    (pinned,) = [i for i in cache_kustomization()["images"] if i["name"] == "nginx"]
+    assert pinned["newTag"] == tag
+    env = cache_env()
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container["volumeMounts"]}
+    # RUN_DIR: an emptyDir; CACHE_DIR: a folder in the instance's claim, capped below it.
+    assert "emptyDir" in volumes[mounts[env["RUN_DIR"]]]
+    (claim,) = statefulset["spec"]["volumeClaimTemplates"]
+    cache_mount = mount_of(container, claim["metadata"]["name"])
+    assert Path(env["CACHE_DIR"]).parent == Path(cache_mount["mountPath"])
+    assert claim["spec"]["storageClassName"]  # a local class, not the default
+    capacity = parse_size(
+        claim["spec"]["resources"]["requests"]["storage"].replace("i", ""), option="x"
+    )
+    assert nginx_size(env["CACHE_MAX_SIZE"]) <= 0.9 * capacity
+    # The store, as objfs signs for it: ORIGIN_HOST is ORIGIN_URL's host and port.
+    origin = urllib.parse.urlsplit(env["ORIGIN_URL"])
+    assert origin.scheme in ("http", "https")
+    assert origin.netloc == env["ORIGIN_HOST"]
+    assert origin.path == ""
+    # The ports and probes: the router is what readiness means.
+    assert int(env["LISTEN_PORT"]) == port_named(container, "router")
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert container[probe]["tcpSocket"]["port"] == "router"
+    assert (
+        container["resources"]["requests"]["memory"] == container["resources"]["limits"]["memory"]
+    )
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) missing")
+def test_cache_engine_configmap_is_the_template() -> None:
+    res = subprocess.run(
+        ["kubectl", "kustomize", str(CACHE_ENGINE)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    docs = [d for d in yaml.safe_load_all(res.stdout) if d]
+    (configmap,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert configmap["data"] == {TEMPLATE.name: TEMPLATE.read_text()}
+    (statefulset,) = [d for d in docs if d["kind"] == "StatefulSet"]
+    volumes = statefulset["spec"]["template"]["spec"]["volumes"]
+    (volume,) = [v for v in volumes if "configMap" in v]
+    assert volume["configMap"]["name"] == configmap["metadata"]["name"]  # the hashed name
+    assert {d["metadata"]["namespace"] for d in docs if d["kind"] != "Namespace"} == {"objfs"}
+
+
+def cache_proxy_of(spec: dict[str, Any]) -> str | None:
+    """The --cache-proxy of the pod's objfs: its sidecar's options, or its CSI volume's
+    attributes (the node plugin passes them to the pod's sidecar)."""
+    found: list[str | None] = []
+    for container in [*spec.get("initContainers", []), *spec.get("containers", [])]:
+        if container["image"].split(":")[0] == "objfs" and container.get("args") == ["sidecar"]:
+            source, mountpoint, options = sidecar_command(env_of(container))
+            args = build_parser().parse_args(["mount", source, mountpoint, *options])
+            found.append(args.cache_proxy)
+    for volume in spec.get("volumes", []):
+        if "csi" in volume:
+            found.append(volume["csi"]["volumeAttributes"].get("cache-proxy"))
+        elif "persistentVolumeClaim" in volume:
+            claim = find("PersistentVolumeClaim", volume["persistentVolumeClaim"]["claimName"])
+            pv = find("PersistentVolume", claim["spec"]["volumeName"])["spec"]
+            found.append(pv["csi"]["volumeAttributes"].get("cache-proxy"))
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def pod_labels(doc: dict[str, Any]) -> dict[str, str]:
+    if doc["kind"] == "Pod":
+        return dict(doc["metadata"].get("labels", {}))
+    return dict(doc["spec"]["template"]["metadata"].get("labels", {}))
+
+
+# (kind/name, pod labels, its --cache-proxy) of every pod in k8s/ but the engine's.
+OBJFS_PODS = [
+    (f"{doc['kind']}/{doc['metadata']['name']}", pod_labels(doc), cache_proxy_of(spec))
+    for path in MANIFESTS
+    if not path.is_relative_to(CACHE_ENGINE)
+    for doc in documents(path)
+    for spec in pod_templates(doc)
+]
+
+
+def client_rule() -> tuple[dict[str, str], list[int]]:
+    """The NetworkPolicy's rule for objfs clients: (their pod labels, the ports)."""
+    policy = find("NetworkPolicy", "objfs-cache")["spec"]
+    (rule,) = [r for r in policy["ingress"] if "namespaceSelector" in r["from"][0]]
+    (peer,) = rule["from"]
+    return peer["podSelector"]["matchLabels"], [p["port"] for p in rule["ports"]]
+
+
+def test_the_examples_use_the_cache_engine_service() -> None:
+    with_proxy = {name: url for name, _, url in OBJFS_PODS if url is not None}
+    assert set(with_proxy) == {
+        "Deployment/vllm-llama",
+        "DaemonSet/objfs-node",
+        "Deployment/vllm-llama-csi",
+        "Pod/vllm-llama-pvc",
+    }
+    service = find("Service", "objfs-cache")
+    (port,) = service["spec"]["ports"]
+    assert port["targetPort"] == "router"
+    assert service["spec"]["selector"] == cache_statefulset()["spec"]["selector"]["matchLabels"]
+    namespace = cache_kustomization()["namespace"]
+    for name, url in with_proxy.items():
+        assert parse_engine_url(url) == url, name
+        parts = urllib.parse.urlsplit(url)
+        assert parts.scheme == "http", name
+        assert parts.hostname == f"{service['metadata']['name']}.{namespace}.svc", name
+        assert parts.port == port["port"], name
+        assert parts.path == "", name
+    assert port_named(nginx_container(), "router") == int(cache_env()["LISTEN_PORT"])
+
+
+def test_the_cache_engine_admits_its_clients_and_itself_only() -> None:
+    policy = find("NetworkPolicy", "objfs-cache")["spec"]
+    engine_labels = cache_statefulset()["spec"]["template"]["metadata"]["labels"]
+    assert policy["podSelector"]["matchLabels"] == engine_labels
+    assert policy["policyTypes"] == ["Ingress"]
+    env = cache_env()
+    clients, client_ports = client_rule()
+    assert client_ports == [int(env["LISTEN_PORT"])]
+    (peers,) = [r for r in policy["ingress"] if "namespaceSelector" not in r["from"][0]]
+    assert peers["from"] == [{"podSelector": {"matchLabels": engine_labels}}]
+    assert [p["port"] for p in peers["ports"]] == [int(env["CACHE_PORT"])]
+    assert len(policy["ingress"]) == 2
+    assert clients
+    assert not set(clients.items()) <= set(engine_labels.items())
+    # Every pod whose objfs uses the engine carries the label, and no other pod does.
+    for name, labels, url in OBJFS_PODS:
+        admitted = set(clients.items()) <= set(labels.items())
+        assert admitted == (url is not None), name

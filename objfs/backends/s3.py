@@ -91,8 +91,6 @@ log = logging.getLogger(__name__)
 _URL_EXPIRY_S = 900
 # Object URLs remembered (a model's files many times over); the table is emptied when full.
 _URL_CACHE_KEYS = 4096
-# How long a presigned URL sent to a --cache-proxy engine is valid; renewed at half of it.
-_PRESIGN_S = 3600
 # Retried replies (throttling and server errors); any other status is final.
 _RETRY_STATUSES = {408, 429, 500, 502, 503, 504}
 _RETRY_CODES = {"SlowDown", "InternalError", "ServiceUnavailable", "RequestTimeout"}
@@ -693,21 +691,25 @@ class S3Backend(Backend):
 
     def _presigned_url(self, key: str) -> str:
         """A presigned GET URL for ``key`` (query authentication: the engine may re-range
-        the request), valid ``_PRESIGN_S``; signed again once half of that has passed, so a
-        GET never carries a URL about to expire. With --no-sign-request, the plain URL."""
+        the request), valid --cache-proxy-url-lifetime; signed again once half of that has
+        passed, so a GET never carries a URL about to expire. With --no-sign-request, the
+        plain URL."""
+        assert self._engine is not None
+        lifetime = self.options.cache_proxy_url_lifetime_s
         client = self._client
         now = time.monotonic()
         known = self._presigned.get((self.bucket, key))
         if known is not None and known[0] is client and now < known[2]:
             return known[1]
         url = client.generate_presigned_url(
-            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=_PRESIGN_S
+            "get_object", Params={"Bucket": self.bucket, "Key": key}, ExpiresIn=lifetime
         )
+        self._engine.signed()
         if self.options.no_sign_request:
             url = url.split("?", 1)[0]
         if len(self._presigned) >= _URL_CACHE_KEYS:
             self._presigned.clear()
-        self._presigned[(self.bucket, key)] = (client, url, now + _PRESIGN_S / 2)
+        self._presigned[(self.bucket, key)] = (client, url, now + lifetime / 2)
         return url
 
     def cache_engine_statistics(self) -> dict[str, int] | None:
