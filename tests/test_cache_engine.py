@@ -43,16 +43,32 @@ def _free_port() -> int:
 
 
 def render(run_dir: Path, origin_port: int, listen: int, cache: int) -> Path:
-    """The shipped template with this test's values, as envsubst would fill it."""
+    """The shipped template for one instance on loopback in front of ``origin_port``."""
+    return render_conf(
+        run_dir, f"127.0.0.1:{origin_port}", f"127.0.0.1:{listen}", f"127.0.0.1:{cache}"
+    )
+
+
+def render_conf(
+    run_dir: Path,
+    origin: str,
+    listen: str,
+    cache: str,
+    nodes: list[str] | None = None,
+    slice_size: str = PART,
+) -> Path:
+    """The shipped template as envsubst would fill it: the router on ``listen``, the cache
+    server on ``cache``, slices hashed over ``nodes`` (the cache servers of every instance,
+    this one alone by default), the store at ``origin`` (host:port, http)."""
     values = {
-        "LISTEN_PORT": f"127.0.0.1:{listen}",
-        "CACHE_PORT": f"127.0.0.1:{cache}",
-        "CACHE_NODES": f"server 127.0.0.1:{cache};",
-        "ORIGIN_URL": f"http://127.0.0.1:{origin_port}",
-        "ORIGIN_HOST": f"127.0.0.1:{origin_port}",
+        "LISTEN_PORT": listen,
+        "CACHE_PORT": cache,
+        "CACHE_NODES": " ".join(f"server {n};" for n in (nodes or [cache])),
+        "ORIGIN_URL": f"http://{origin}",
+        "ORIGIN_HOST": origin,
         "CACHE_DIR": str(run_dir / "cache"),
         "CACHE_MAX_SIZE": "1g",
-        "SLICE_SIZE": PART.lower(),
+        "SLICE_SIZE": slice_size.lower(),
         "RUN_DIR": str(run_dir),
     }
     text = TEMPLATE.read_text()
