@@ -12,6 +12,7 @@ checked at the command line.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -257,6 +258,13 @@ def test_two_nodes_loading_at_once_fetch_the_files_once_from_the_origin(
         status = _status(m)
         assert status["cache_engine"]["bytes_via_engine"] == total
         assert status["cache_engine"]["failures"] == 0
+    # Every range asked of the engine (objfs's) and of its cache server (the router's
+    # slices) lies within one part, from a block boundary: the engine fetches each part of
+    # the store once, whole.
+    ranges = re.findall(r"range=bytes=(\d+)-(\d+)", engine.access_log())
+    assert len(ranges) >= 2 * total // (4 * MiB)
+    for first, last in ((int(a), int(b)) for a, b in ranges):
+        assert first % MiB == 0 and first // (4 * MiB) == last // (4 * MiB), (first, last)
     # No signature in any log: objfs's nor the engine's.
     for text in (engine.access_log(), *(m.log() for m in nodes)):
         assert "X-Amz-Signature" not in text
