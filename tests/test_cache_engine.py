@@ -264,7 +264,8 @@ def test_two_nodes_loading_at_once_fetch_the_files_once_from_the_origin(
     ranges = re.findall(r"range=bytes=(\d+)-(\d+)", engine.access_log())
     assert len(ranges) >= 2 * total // (4 * MiB)
     for first, last in ((int(a), int(b)) for a, b in ranges):
-        assert first % MiB == 0 and first // (4 * MiB) == last // (4 * MiB), (first, last)
+        assert first % MiB == 0, (first, last)
+        assert first // (4 * MiB) == last // (4 * MiB), (first, last)
     # No signature in any log: objfs's nor the engine's.
     for text in (engine.access_log(), *(m.log() for m in nodes)):
         assert "X-Amz-Signature" not in text

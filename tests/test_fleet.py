@@ -126,7 +126,9 @@ class Fleet:
         _s3tool(self.origin, self.store.url, "upload", BUCKET, str(folder), "model")
         shutil.rmtree(folder)
 
-    def mount(self, i: int, *options: str, engine: bool = True) -> Mount:
+    def mount(self, i: int, *options: str, engine: bool = True, stack: Any = None) -> Mount:
+        """Node ``i``'s objfs mount of the model, with a fresh disk cache, through its
+        engine instance (``engine``); unmounted with ``stack`` (the fleet's by default)."""
         node = self.nodes[i]
         mountpoint = self.tmp / f"mnt{i}-{time.monotonic_ns()}"
         mountpoint.mkdir()
@@ -137,10 +139,22 @@ class Fleet:
             "--cache-dir", str(self.tmp / f"cache{i}-{time.monotonic_ns()}"),
             "--metadata-ttl", "1", *options,
         )]  # fmt: skip
-        mounted = self.stack.enter_context(
+        mounted = (stack or self.stack).enter_context(
             run_mount(cmd, mountpoint, mountpoint.with_suffix(".out"))
         )
         return Mount(mounted.path, mounted.proc, log)
+
+    def new_engines(self, tag: str) -> None:
+        """Replace the engine instances by new ones with empty caches."""
+        for e in self.engines:
+            e.kill()
+        origin = self.store.url.removeprefix("http://")
+        self.engines = [
+            EngineInstance(self.tmp / f"nginx{i}-{tag}", self.engine_host, i, origin)
+            for i in range(2)
+        ]
+        for e in self.engines:
+            e.wait_listening()
 
     def close(self) -> None:
         for e in self.engines:

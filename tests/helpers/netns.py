@@ -50,6 +50,13 @@ class Host:
         _ip_tc(self.netns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
                "burst", "256kb", "latency", "500ms")  # fmt: skip
 
+    def unlimit_rate(self) -> None:
+        """Undo :meth:`limit_rate` (the default queue again)."""
+        subprocess.run(
+            ["ip", "netns", "exec", self.netns, "tc", "qdisc", "del", "dev", "eth0", "root"],
+            capture_output=True, check=False,
+        )  # fmt: skip
+
     def tx_bytes(self) -> int:
         """Bytes this host has sent on its link (headers included), from the kernel's count."""
         (link,) = json.loads(_ip("-n", self.netns, "-s", "-j", "link", "show", "eth0"))
