@@ -449,6 +449,31 @@ def test_volume_context_becomes_mount_options() -> None:
     assert "token" not in repr(spec)
 
 
+def test_a_volume_can_send_its_data_gets_through_a_cache_engine() -> None:
+    spec = parse_volume_context(
+        {
+            "source": "s3://bucket-a/models",
+            "cache-proxy": "http://objfs-cache.objfs.svc:8080",
+            "cache-proxy-url-lifetime": "1800",
+            **POD,
+        },
+        "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/m/mount",
+    )
+    assert spec.options == {
+        "cache-proxy": "http://objfs-cache.objfs.svc:8080",
+        "cache-proxy-url-lifetime": "1800",
+    }
+    assert spec.config.s3.cache_proxy == "http://objfs-cache.objfs.svc:8080"
+    assert spec.config.s3.cache_proxy_url_lifetime_s == 1800
+    # A signed URL given as the engine's address is refused, and not echoed.
+    with pytest.raises(VolumeContextError) as info:
+        parse_volume_context(
+            {"source": "s3://bucket-a", "cache-proxy": f"http://c:8080/?sig={SECRET}", **POD},
+            "/var/lib/kubelet/pods/x/volumes/kubernetes.io~csi/m/mount",
+        )
+    assert SECRET not in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("context", "message"),
     [

@@ -247,6 +247,10 @@ def test_helper_translates_mount_options() -> None:
         "/etc/objfs/m.cred",
     ]
     assert parse_helper_args(["s3://b", "/m", "-fv", "-oro"])[2:] == ([], True, True)
+    # A fleet's fstab line: data GETs through the cache engine.
+    assert translate_options(
+        ["cache_proxy=http://objfs-cache:8080", "cache_proxy_url_lifetime=1800"]
+    ) == ["--cache-proxy", "http://objfs-cache:8080", "--cache-proxy-url-lifetime", "1800"]
     assert translate_options(["max_connections=64", "metadata_ttl=indefinite"]) == [
         "--max-connections",
         "64",
