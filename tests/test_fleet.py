@@ -85,7 +85,7 @@ class EngineInstance:
     def wait_listening(self) -> None:
         deadline = time.monotonic() + 15
         while f"{self.host.ip}:{self.port} " not in _in(self.host, "ss", "-Hltn").stdout:
-            assert self.proc.poll() is None, (self.run_dir / "error.log").read_text()
+            assert self.proc.poll() is None, f"nginx exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, "nginx did not start"
             time.sleep(0.1)
 
@@ -109,14 +109,14 @@ class Fleet:
             tmp / "seaweedfs", os.environ["AWS_ACCESS_KEY_ID"],
             os.environ["AWS_SECRET_ACCESS_KEY"], ip=self.origin.ip, netns=self.origin.netns,
         )  # fmt: skip
-        _s3tool(self.origin, self.store.url, "ready")
-        _s3tool(self.origin, self.store.url, "bucket", BUCKET)
-        origin = self.store.url.removeprefix("http://")
-        self.engines = [
-            EngineInstance(tmp / f"nginx{i}", self.engine_host, i, origin) for i in range(2)
-        ]
-        for e in self.engines:
-            e.wait_listening()
+        self.engines: list[EngineInstance] = []
+        try:
+            _s3tool(self.origin, self.store.url, "ready")
+            _s3tool(self.origin, self.store.url, "bucket", BUCKET)
+            self.new_engines("first")
+        except BaseException:
+            self.close()
+            raise
 
     def upload(self, files: dict[str, bytes], name: str) -> None:
         folder = self.tmp / f"upload-{name}"
@@ -148,11 +148,12 @@ class Fleet:
         """Replace the engine instances by new ones with empty caches."""
         for e in self.engines:
             e.kill()
+        self.engines = []
         origin = self.store.url.removeprefix("http://")
-        self.engines = [
-            EngineInstance(self.tmp / f"nginx{i}-{tag}", self.engine_host, i, origin)
-            for i in range(2)
-        ]
+        for i in range(2):  # each in the list before it may fail: close() ends it
+            self.engines.append(
+                EngineInstance(self.tmp / f"nginx{i}-{tag}", self.engine_host, i, origin)
+            )
         for e in self.engines:
             e.wait_listening()
 
