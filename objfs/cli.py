@@ -23,6 +23,7 @@ from objfs.config import (
     FUSE_TRANSPORTS,
     TRANSPORT_ENV,
     AzureOptions,
+    CacheProxyOptions,
     MountConfig,
     S3Options,
     available_memory_bytes,
@@ -93,14 +94,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--cache-proxy",
         metavar="URL",
         help="send data GETs through this cache engine (nginx proxy_cache, Dragonfly) as "
-        "presigned URLs, reading from the store directly while it fails; s3:// sources",
+        "signed URLs (S3: presigned; Azure: with a SAS), reading from the store directly "
+        "while it fails",
     )
     store.add_argument(
         "--cache-proxy-url-lifetime",
         metavar="SECONDS",
         type=int,
         help="how long each URL signed for --cache-proxy is valid, 2 to 604800; signed again "
-        "at half of it (default 3600)",
+        "at half of it (default 3600; an Azure SAS token given as the credential is sent as "
+        "it is)",
     )
     store.add_argument("--region", help="region (default: $AWS_REGION / profile, else us-east-1)")
     store.add_argument("--profile", help="AWS profile from ~/.aws/config")
@@ -397,8 +400,6 @@ _S3_OPTIONS = {
     "profile": "--profile",
     "force_path_style": "--force-path-style",
     "ca_bundle": "--ca-bundle",
-    "cache_proxy": "--cache-proxy",
-    "cache_proxy_url_lifetime": "--cache-proxy-url-lifetime",
 }
 _AZURE_OPTIONS = {
     "account_name": "--account-name",
@@ -408,9 +409,10 @@ _AZURE_OPTIONS = {
 
 
 def _url_lifetime(value: int | None) -> int:
-    """--cache-proxy-url-lifetime, checked: SigV4 allows at most 7 days."""
+    """--cache-proxy-url-lifetime, checked: SigV4 allows at most 7 days (and so does an
+    Azure user delegation key)."""
     if value is None:
-        return S3Options.cache_proxy_url_lifetime_s
+        return CacheProxyOptions.cache_proxy_url_lifetime_s
     if not 2 <= value <= 604800:
         raise UsageError(
             f"--cache-proxy-url-lifetime: {value} is out of range: 2 to 604800 seconds"
@@ -450,6 +452,9 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         "read_timeout_s": args.read_timeout,
         "max_attempts": args.max_attempts,
     }
+    # Both stores' (CacheProxyOptions): parsed once, given to both.
+    cache_proxy = parse_engine_url(args.cache_proxy) if args.cache_proxy else None
+    url_lifetime = _url_lifetime(args.cache_proxy_url_lifetime)
     s3 = S3Options(
         endpoint_url=args.endpoint_url,
         region=args.region or os.environ.get("AWS_REGION") or None,
@@ -458,8 +463,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         force_path_style=args.force_path_style,
         ca_bundle=args.ca_bundle,
         max_connections=args.max_connections,
-        cache_proxy=parse_engine_url(args.cache_proxy) if args.cache_proxy else None,
-        cache_proxy_url_lifetime_s=_url_lifetime(args.cache_proxy_url_lifetime),
+        cache_proxy=cache_proxy,
+        cache_proxy_url_lifetime_s=url_lifetime,
         **timeouts,
     )
     if not 0 <= args.read_ahead_kb <= 1 << 20:
@@ -498,6 +503,8 @@ def _mount_config(args: argparse.Namespace) -> MountConfig:
         sas_token_file=None if sas_file is None else os.path.abspath(sas_file),
         no_sign_request=args.no_sign_request,
         max_connections=args.max_connections,
+        cache_proxy=cache_proxy,
+        cache_proxy_url_lifetime_s=url_lifetime,
         **timeouts,
     )
     return MountConfig(

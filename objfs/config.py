@@ -245,7 +245,22 @@ def parse_id(text: str, *, option: str) -> int:
 
 
 @dataclass(frozen=True)
-class S3Options:
+class CacheProxyOptions:
+    """``--cache-proxy`` and ``--cache-proxy-url-lifetime``, declared once for both stores:
+    :class:`S3Options` and :class:`AzureOptions` inherit them, so each backend reads
+    ``options.cache_proxy`` and the command line parses the values once for both."""
+
+    # --cache-proxy: data GETs go through this cache engine as signed URLs (S3: presigned,
+    # Azure: with a SAS; see objfs.cache_engine); None: straight to the store.
+    cache_proxy: str | None = None
+    # --cache-proxy-url-lifetime: the lifetime of each URL (SAS) objfs signs for the engine,
+    # signed again at half of it. An hour: a GET never carries one about to expire, and a
+    # leaked one is useless soon after.
+    cache_proxy_url_lifetime_s: int = 3600
+
+
+@dataclass(frozen=True)
+class S3Options(CacheProxyOptions):
     """How to reach an S3-compatible endpoint. Secrets are never stored here."""
 
     endpoint_url: str | None = None
@@ -266,11 +281,6 @@ class S3Options:
     # Enough parallel parts to keep a fast link busy (AWS: one connection per 85-90 MB/s);
     # the memory budget bounds how many parts are in flight at once.
     max_connections: int = 32
-    # --cache-proxy: data GETs go through this cache engine as presigned URLs (see
-    # objfs.cache_engine); None: straight to the store.
-    cache_proxy: str | None = None
-    # --cache-proxy-url-lifetime: each presigned URL's lifetime (signed again at half of it).
-    cache_proxy_url_lifetime_s: int = 3600
 
     def path_style(self) -> bool:
         if self.force_path_style is not None:
@@ -279,7 +289,7 @@ class S3Options:
 
 
 @dataclass(frozen=True)
-class AzureOptions:
+class AzureOptions(CacheProxyOptions):
     """How to reach Azure Blob Storage. Secrets are never stored here: the backend reads them
     from the environment or from ``sas_token_file`` when it builds its client."""
 

@@ -34,6 +34,23 @@ a proxy from the environment the GET goes through the session's urllib3 pool (vi
 adapter), the body read into block-sized ``bytes``.
 ``tests/benchmarks/azure_sdk_vs_raw.py`` measures the SDK against plain ranged GETs.
 
+Cache engine (``--cache-proxy URL``, see :mod:`objfs.cache_engine`): each data GET first goes
+to the engine as ``GET URL/<blob URL's path>?<SAS>`` (Azurite: ``/ACCOUNT/CONTAINER/BLOB``;
+Azure: ``/CONTAINER/BLOB``), which the engine forwards to the account's endpoint unchanged (a
+SAS signs the path, not the host: one engine fronts one account endpoint, its Host). The SAS
+is the mount's own SAS token when that is the credential; with the account key, a read-only
+SAS for that blob signed here; with a token credential, one signed by a user delegation key
+(none while the service refuses that key: the GET goes to the store directly). A SAS signed
+here lives ``--cache-proxy-url-lifetime`` and is signed again at half of it
+(:meth:`_Signer.engine_query`). The GET carries ``Range`` (not ``x-ms-range``: the engine
+re-ranges it into its slices), ``If-Match`` with the pinned ETag and ``x-ms-version``.
+Invariant: bytes from the engine are used only when the reply is for exactly the range asked
+and its ETag is the pin; anything else (refused, reset, 5xx, a short or misplaced body,
+another ETag) makes that range come from the store directly by the path above, the engine
+left alone for a while; a 412 goes to the direct path without blaming the engine (the pinned
+version is gone). The SAS, and the URL that carries it, are never logged, raised or reported:
+only the engine's base URL is.
+
 Rotated credentials: with ``--sas-token-file`` or ``--credentials-file``, requests poll the
 :class:`CredentialWatch` (a stat at most once a second); when a file changed, the credential
 is resolved again from it and replaces the current one (a SAS in place, in the credential
@@ -86,15 +103,19 @@ from azure.core.exceptions import (
 from azure.storage.blob import (
     BlobPrefix,
     BlobProperties,
+    BlobSasPermissions,
     BlobServiceClient,
     ContainerClient,
     ExponentialRetry,
+    UserDelegationKey,
+    generate_blob_sas,
 )
 from requests.adapters import HTTPAdapter
 from urllib3.util.retry import Retry
 
 from objfs import rawhttp
 from objfs.backends.base import Backend, ListPage, ObjectInfo, reply_version_error
+from objfs.cache_engine import CacheEngine
 from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source, redact_url
 from objfs.credentials import CredentialWatch
 from objfs.errors import (
@@ -155,6 +176,17 @@ _ANONYMOUS_REFUSED_CODES = {
     "ResourceNotFound",
     "AuthorizationFailure",
 }
+# --cache-proxy: blob SAS remembered (a model's blobs many times over); emptied when full.
+_SAS_CACHE_BLOBS = 4096
+# A SAS minted for the engine starts this long before now: a store whose clock is behind ours
+# still accepts it.
+_SAS_CLOCK_SKEW_S = 300
+# A user delegation key lives at most 7 days (the service's limit), at least a day here (one
+# key serves every blob's SAS); see _Signer._delegation_key for when it is replaced.
+_DELEGATION_KEY_MAX_S = 7 * 86400
+_DELEGATION_KEY_MIN_S = 86400
+# After a refused user delegation key: data GETs go to the store directly, asked again later.
+_DELEGATION_RETRY_S = 300
 
 
 # -- credentials -------------------------------------------------------------------------------
@@ -417,6 +449,14 @@ class _Signer:
         self._account = creds.account_name or ""
         self._lock = threading.Lock()
         self._token: Any = None
+        # --cache-proxy (engine_query): (container, blob) -> (SAS, when to sign it again, on
+        # the monotonic clock); a new signer (rotated credentials) starts with none.
+        self._sas: dict[tuple[str, str], tuple[str, float]] = {}
+        # The token credential's user delegation key and its expiry (wall clock, UTC).
+        self._delegation: tuple[UserDelegationKey, _dt.datetime] | None = None
+        self._delegation_lock = threading.Lock()
+        self._delegation_refused_until = 0.0  # monotonic
+        self._delegation_refusal_logged = False
 
     def sign(
         self, method: str, origin: str, path: str, headers: dict[str, str]
@@ -451,6 +491,101 @@ class _Signer:
                         raise
                     log.warning("refreshing the Azure token failed; using the current one")
             return str(token.token)
+
+    def engine_query(
+        self, container: str, blob: str, lifetime_s: int, service: BlobServiceClient
+    ) -> tuple[str | None, bool]:
+        """(Worker thread) The query a data GET of ``blob`` through the cache engine
+        (``--cache-proxy``) carries, and whether a SAS was signed for it now; ``""`` for
+        anonymous requests, None when the mount's credential cannot make one (a token
+        credential refused a user delegation key): that GET goes to the store directly.
+
+        A SAS token credential is sent as it is (its lifetime and scope are the user's). With
+        the account key or a token credential, a read-only SAS for this one blob is signed
+        here (by the key, or by a user delegation key the token credential obtained), valid
+        ``lifetime_s`` from now (and from a few minutes back, for clock skew), remembered and
+        signed again once half of that has passed, so a GET never carries one about to
+        expire. A SAS is a bearer credential: it is never logged."""
+        cred = self._credential
+        if cred is None:
+            return "", False
+        if isinstance(cred, AzureSasCredential):
+            return str(cred.signature).lstrip("?"), False  # read now: it rotates in place
+        now = time.monotonic()
+        known = self._sas.get((container, blob))
+        if known is not None and now < known[1]:
+            return known[0], False
+        wall = _dt.datetime.now(_dt.UTC)
+        start = wall - _dt.timedelta(seconds=_SAS_CLOCK_SKEW_S)
+        expiry = wall + _dt.timedelta(seconds=lifetime_s)
+        permission = BlobSasPermissions(read=True)
+        if isinstance(cred, AzureNamedKeyCredential):
+            name, key = cred.named_key
+            sas = generate_blob_sas(
+                name,
+                container,
+                blob,
+                account_key=key,
+                permission=permission,
+                start=start,
+                expiry=expiry,
+            )
+        elif hasattr(cred, "get_token"):
+            delegation = self._delegation_key(service, lifetime_s)
+            if delegation is None:
+                return None, False
+            key_, key_expiry = delegation
+            expiry = min(expiry, key_expiry)
+            sas = generate_blob_sas(
+                self._account,
+                container,
+                blob,
+                user_delegation_key=key_,
+                permission=permission,
+                start=start,
+                expiry=expiry,
+            )
+        else:
+            return None, False
+        if len(self._sas) >= _SAS_CACHE_BLOBS:
+            self._sas.clear()
+        self._sas[(container, blob)] = (sas, now + (expiry - wall).total_seconds() / 2)
+        return sas, True
+
+    def _delegation_key(
+        self, service: BlobServiceClient, lifetime_s: int
+    ) -> tuple[UserDelegationKey, _dt.datetime] | None:
+        """The token credential's user delegation key and its expiry, asked for again once
+        less than a SAS's lifetime (at most 12 hours) of it remains; None while the service
+        refuses one (one warning, with the error code only; asked again every few minutes)."""
+        with self._delegation_lock:
+            wall = _dt.datetime.now(_dt.UTC)
+            known = self._delegation
+            if known is not None:
+                remaining = (known[1] - wall).total_seconds()
+                if remaining > min(lifetime_s, _DELEGATION_KEY_MIN_S / 2):
+                    return known
+            if time.monotonic() < self._delegation_refused_until:
+                return known if known is not None and known[1] > wall else None
+            validity = min(_DELEGATION_KEY_MAX_S, max(_DELEGATION_KEY_MIN_S, 2 * lifetime_s))
+            start = wall - _dt.timedelta(seconds=_SAS_CLOCK_SKEW_S)
+            expiry = wall + _dt.timedelta(seconds=validity)
+            try:
+                key = service.get_user_delegation_key(start, expiry)
+            except Exception as exc:  # the SDK's text may hold a URL: code and type only
+                self._delegation_refused_until = time.monotonic() + _DELEGATION_RETRY_S
+                if not self._delegation_refusal_logged:
+                    self._delegation_refusal_logged = True
+                    code = _error_code(exc) if isinstance(exc, HttpResponseError) else ""
+                    log.warning(
+                        "no user delegation key for --cache-proxy (%s): data GETs go to the "
+                        "store directly; grant the Storage Blob Delegator role (or the "
+                        "generateUserDelegationKey action) to use the cache engine",
+                        code or type(exc).__name__,
+                    )
+                return known if known is not None and known[1] > wall else None
+            self._delegation = (key, expiry)
+            return self._delegation
 
 
 def _shared_key(account: str, key: str, method: str, path: str, headers: dict[str, str]) -> str:
@@ -606,6 +741,9 @@ class AzureBackend(Backend):
             ca_file=self._ca_file,
             max_idle=options.max_connections,
         )
+        # --cache-proxy: data GETs through a cache engine with a SAS (shared with the
+        # backends for_container made, as the signer that makes the SAS is).
+        self._engine = CacheEngine(options.cache_proxy) if options.cache_proxy else None
         self._use_credentials(creds)
         self._limiter = trio.CapacityLimiter(options.max_connections)
         parsed = urllib.parse.urlsplit(self.account_url)
@@ -915,6 +1053,10 @@ class AzureBackend(Backend):
         timeout = (self.options.connect_timeout_s, self.options.read_timeout_s)
         tries = Tries(self.options.max_attempts, self._watch, _backoff_s)
         while True:
+            if self._engine is not None and self._get_via_engine(
+                what, etag, key, path, start, views
+            ):
+                return
             headers = {"x-ms-range": f"bytes={start}-{start + length - 1}"}
             if etag:
                 headers["If-Match"] = etag
@@ -971,6 +1113,71 @@ class AzureBackend(Backend):
                 resp.release_conn() if resp.length_remaining == 0 else resp.close()
             if error is not None:
                 tries.failed(error)  # after the reply went back: it may sleep
+
+    def _get_via_engine(
+        self, what: str, etag: str, key: str, path: str, start: int, views: Sequence[memoryview]
+    ) -> bool:
+        """(Worker thread) One try of the GET through the cache engine (``--cache-proxy``):
+        True when ``views`` hold the range of the pinned version; False when the caller must
+        read from the store directly (the engine is left alone after a failure or failed now,
+        or no SAS can be made: see objfs.cache_engine and :meth:`_Signer.engine_query`).
+
+        The GET is the raw path's, as a reverse proxy forwards it: the blob URL's path and a
+        SAS as its query on the engine, the standard ``Range`` (not ``x-ms-range``, which
+        Azure would prefer to the engine's slice ranges), ``If-Match`` with the pin and
+        ``x-ms-version``; the reply's ETag is checked against the pin. Neither the SAS nor
+        the URL appears in what is logged or raised."""
+        engine = self._engine
+        assert engine is not None
+        length = sum(len(v) for v in views)
+        routed = engine.route(self._origin + path)
+        if routed is None:
+            engine.direct(length)
+            return False
+        query, minted = self._signer.engine_query(
+            self.container, key, self.options.cache_proxy_url_lifetime_s, self._service
+        )
+        if minted:
+            engine.signed()
+        if query is None:
+            engine.direct(length)
+            return False
+        if query:
+            routed = f"{routed}?{query}"
+        headers = {
+            "Range": f"bytes={start}-{start + length - 1}",
+            "x-ms-version": _API_VERSION,
+            "User-Agent": "objfs",
+        }
+        if etag:
+            headers["If-Match"] = etag
+        try:
+            reply = self._data.get_into(routed, headers, views)
+        except rawhttp.ConnectionFailed as exc:
+            engine.failed(f"connection failed: {str(exc).split(':', 1)[0]}")
+            engine.direct(length)
+            return False
+        problem = None
+        if reply.status in (200, 206):
+            problem = reply.body_error(start, length)
+            if problem is None:
+                try:
+                    _check_version(what, etag, reply.headers.get("ETag"))
+                except StaleObjectError:
+                    problem = "it answered another version"
+                else:
+                    engine.served(length)
+                    return True
+        elif reply.status == 412:
+            # The store's answer that the pinned version is gone: the direct GET says so.
+            engine.direct(length)
+            return False
+        engine.failed(problem or f"HTTP {reply.status}")
+        engine.direct(length)
+        return False
+
+    def cache_engine_statistics(self) -> dict[str, int] | None:
+        return self._engine.statistics() if self._engine is not None else None
 
     def _get_raw(
         self,
