@@ -8,8 +8,9 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.objfs-installed
 # systemd: systemd-analyze verifies the unit in systemd/; strace: the test of the unit's
-# system-call filter.
-APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux systemd strace openssl nginx-light
+# system-call filter; nginx-light (has the slice module): the cache engine of the --cache-proxy
+# tests; iproute2 (ip netns, tc): the fleet test's network namespaces.
+APT_PACKAGES := fuse3 libfuse3-dev pkg-config gcc python3-dev python3-venv util-linux systemd strace openssl nginx-light iproute2
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
 
