@@ -31,7 +31,11 @@ CACHE_ENGINE = K8S / "cache-engine"
 TEMPLATE = CACHE_ENGINE / "nginx.conf.template"
 # The first release with native sidecars on by default, and the newest schemas bundled.
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
-MANIFESTS = sorted(p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml")
+# Helm values files: input to a chart, not Kubernetes objects; no kustomization lists them.
+HELM_VALUES = sorted(K8S.rglob("values*.yaml"))
+MANIFESTS = sorted(
+    p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p not in HELM_VALUES
+)
 KUSTOMIZATIONS = sorted(K8S.rglob("kustomization.yaml"))
 SIDECAR_ENV = {"OBJFS_SOURCE", "OBJFS_MOUNTPOINT", "OBJFS_OPTIONS", "OBJFS_READY_FILE"}
 
@@ -725,9 +729,9 @@ def test_csi_node_plugin_fits_together() -> None:
 
 
 def test_readme_pod_snippet_matches_the_example() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Kubernetes\n") :]
-    section = section[: section.index("\n## ", 1)]
+    readme = (ROOT / "k8s" / "README.md").read_text()
+    section = readme[readme.index("## Choosing a pattern\n") :]
+    section = section[: section.index("\n## Many nodes", 1)]
     (snippet,) = re.findall(r"```yaml\n(.*?)```", section, flags=re.S)
     pod = yaml.safe_load(snippet)
     spec = find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"]
@@ -1071,15 +1075,22 @@ def test_the_examples_use_the_cache_engine_service() -> None:
     (port,) = service["spec"]["ports"]
     assert port["targetPort"] == "router"
     assert service["spec"]["selector"] == cache_statefulset()["spec"]["selector"]["matchLabels"]
-    namespace = cache_kustomization()["namespace"]
     for name, url in with_proxy.items():
-        assert parse_engine_url(url) == url, name
-        parts = urllib.parse.urlsplit(url)
-        assert parts.scheme == "http", name
-        assert parts.hostname == f"{service['metadata']['name']}.{namespace}.svc", name
-        assert parts.port == port["port"], name
-        assert parts.path == "", name
+        check_cache_engine_url(url, name)
     assert port_named(nginx_container(), "router") == int(cache_env()["LISTEN_PORT"])
+
+
+def check_cache_engine_url(url: str, where: str) -> None:
+    """A --cache-proxy (cache-proxy attribute) names the engine's Service, in its namespace."""
+    service = find("Service", "objfs-cache")
+    (port,) = service["spec"]["ports"]
+    namespace = cache_kustomization()["namespace"]
+    assert parse_engine_url(url) == url, where
+    parts = urllib.parse.urlsplit(url)
+    assert parts.scheme == "http", where
+    assert parts.hostname == f"{service['metadata']['name']}.{namespace}.svc", where
+    assert parts.port == port["port"], where
+    assert parts.path == "", where
 
 
 def test_the_cache_engine_admits_its_clients_and_itself_only() -> None:
@@ -1100,3 +1111,144 @@ def test_the_cache_engine_admits_its_clients_and_itself_only() -> None:
     for name, labels, url in OBJFS_PODS:
         admitted = set(clients.items()) <= set(labels.items())
         assert admitted == (url is not None), name
+
+
+# -- the vLLM production-stack Helm values (k8s/vllm-production-stack) ------------------------
+
+
+def helm_engine_pod(values: dict[str, Any], entry: dict[str, Any]) -> dict[str, Any]:
+    """The parts of the chart's engine pod (vllm-stack, deployment-vllm-multi.yaml) that come
+    from the values: one modelSpec entry's image, model, env and extra volumes and mounts, the
+    engine's labels, security contexts and the entry's service account."""
+    engine = values["servingEngineSpec"]
+    args = (entry.get("vllmConfig") or {}).get("extraArgs", [])
+    container: dict[str, Any] = {
+        "name": "vllm",
+        "image": f"{entry['repository']}:{entry['tag']}",
+        "command": ["vllm", "serve", entry["modelURL"], "--host", "0.0.0.0", *args],
+        "env": entry.get("env", []),
+        "volumeMounts": entry.get("extraVolumeMounts", []),
+    }
+    if "containerSecurityContext" in engine:
+        container["securityContext"] = engine["containerSecurityContext"]
+    spec: dict[str, Any] = {"containers": [container], "volumes": entry.get("extraVolumes", [])}
+    if "securityContext" in engine:
+        spec["securityContext"] = engine["securityContext"]
+    if "serviceAccountName" in entry:
+        spec["serviceAccountName"] = entry["serviceAccountName"]
+    labels = {"model": entry["name"], **(engine.get("labels") or {})}
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": f"vllm-{entry['name']}", "labels": labels},
+        "spec": spec,
+    }
+
+
+def helm_values(path: Path) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(path.read_text())
+    return doc
+
+
+# (file:model, the values, the modelSpec entry) of every model in the Helm values files.
+HELM_MODELS = [
+    (f"{path.relative_to(K8S)}:{entry['name']}", values, entry)
+    for path in HELM_VALUES
+    for values in [helm_values(path)]
+    for entry in values["servingEngineSpec"]["modelSpec"]
+]
+HELM_IDS = [name for name, _, _ in HELM_MODELS]
+
+
+def test_helm_values_are_not_manifests() -> None:
+    assert HELM_VALUES == [K8S / "vllm-production-stack" / "values.yaml"]
+    for path in HELM_VALUES:
+        doc = helm_values(path)
+        # Values only (a manifest named values*.yaml, with its apiVersion and kind, would
+        # be skipped by the manifest tests: refuse it).
+        assert set(doc) == {"servingEngineSpec"}, path
+        assert not (path.parent / "kustomization.yaml").exists()
+    assert HELM_MODELS
+    assert len(set(HELM_IDS)) == len(HELM_IDS)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_helm_engine_pod_validates(
+    name: str, values: dict[str, Any], entry: dict[str, Any], version: str
+) -> None:
+    kubernetes_validate.validate(helm_engine_pod(values, entry), version, strict=True)
+
+
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_helm_model_is_served_from_objfs(
+    name: str, values: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    # The model is a folder on the volume, never downloaded to a PVC.
+    assert "pvcStorage" not in entry
+    spec = helm_engine_pod(values, entry)["spec"]
+    volume, attributes = objfs_volume(spec, csi_driver()["metadata"]["name"])
+    config = check_volume_attributes(attributes)
+    (vllm,) = spec["containers"]
+    mount = mount_of(vllm, volume)
+    assert mount["readOnly"] is True
+    assert mount["mountPropagation"] == "HostToContainer"  # a restarted sidecar's new mount
+    model = entry["modelURL"]
+    assert os.path.normpath(model) == model
+    assert Path(model).is_absolute()
+    assert Path(model).is_relative_to(mount["mountPath"])
+    # The node plugin mounts only for a pod with the emptyDir objfs-fd (on disk).
+    volumes = {v["name"]: v for v in spec["volumes"]}
+    assert volumes["objfs-fd"]["emptyDir"].get("medium") is None
+    # The post-renderer adds the CSI example's objfs sidecar and nothing else: its volumes are
+    # here, the disk cache fits its volume and the budget its memory limit.
+    example = find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"]
+    (sidecar,) = [c for c in example["initContainers"] if c["image"].split(":")[0] == "objfs"]
+    for sidecar_mount in sidecar["volumeMounts"]:
+        assert "emptyDir" in volumes[sidecar_mount["name"]], sidecar_mount["name"]
+    cache_dir = Path(attributes["cache-dir"])
+    (cache_mount,) = [
+        m for m in sidecar["volumeMounts"] if cache_dir.parent == Path(m["mountPath"])
+    ]
+    assert size_limit(volumes[cache_mount["name"]]) > parse_size(
+        attributes["cache-size"], option="x"
+    )
+    limit = parse_size(sidecar["resources"]["limits"]["memory"].replace("i", ""), option="x")
+    assert limit >= config.memory_limit_bytes + (256 << 20)
+    assert env_of(sidecar).get("OBJFS_LOG_FORMAT", "text") == attributes.get("log-format", "text")
+    # The identity the sidecar reads the bucket with.
+    account = find("ServiceAccount", spec["serviceAccountName"])["metadata"]["annotations"]
+    assert "eks.amazonaws.com/role-arn" in account
+
+
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_helm_engine_pod_uses_the_cache_engine_service(
+    name: str, values: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    pod = helm_engine_pod(values, entry)
+    url = cache_proxy_of(pod["spec"])
+    if url is not None:
+        check_cache_engine_url(url, name)
+    # The NetworkPolicy admits the pod exactly when its objfs uses the engine.
+    clients, _ = client_rule()
+    admitted = set(clients.items()) <= set(pod_labels(pod).items())
+    assert admitted == (url is not None)
+
+
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_helm_engine_pod_passes_restricted(
+    name: str, values: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    assert restricted_violations(helm_engine_pod(values, entry)["spec"]) == []
+
+
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_the_node_plugin_accepts_the_helm_volume_attributes(
+    name: str, values: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    volume = pytest.importorskip("objfs.csi.volume")
+    spec = helm_engine_pod(values, entry)["spec"]
+    _, attributes = objfs_volume(spec, csi_driver()["metadata"]["name"])
+    context = {**attributes, "csi.storage.k8s.io/pod.uid": "0b6c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3"}
+    checked = volume.parse_volume_context(context, "/var/lib/kubelet/pods/x/volumes/models/mount")
+    assert checked.source == attributes["source"]

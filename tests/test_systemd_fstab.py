@@ -418,7 +418,8 @@ def test_mount_t_fuse_objfs_mounts_serves_and_umount_cleans_up(
 def test_fstab_line_mounts_with_mount_T(
     helper_on_sbin: Path, s3_server: LocalServer, s3: Any, bucket: str, tmp_path: Path
 ) -> None:
-    """The README's sample fstab line, in a scratch fstab (mount -T), mounted by its target."""
+    """systemd/README.md's sample fstab line, in a scratch fstab (mount -T), mounted by its
+    target."""
     data = b'{"fstab": true}'
     s3.put_object(Bucket=bucket, Key="models/llama/config.json", Body=data)
     mnt = tmp_path / "fstab-models"
