@@ -33,10 +33,19 @@ TEMPLATE = CACHE_ENGINE / "nginx.conf.template"
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
 # Helm values files: input to a chart, not Kubernetes objects; no kustomization lists them.
 HELM_VALUES = sorted(K8S.rglob("values*.yaml"))
+# The Helm post-renderer's kustomization and patch work on the chart's output, not on files
+# here: tested by rendering (test_helm_post_renderer_adds_the_objfs_sidecar_to_each_engine).
+POST_RENDERER = K8S / "vllm-production-stack" / "post-renderer"
 MANIFESTS = sorted(
-    p for p in K8S.rglob("*.yaml") if p.name != "kustomization.yaml" and p not in HELM_VALUES
+    p
+    for p in K8S.rglob("*.yaml")
+    if p.name != "kustomization.yaml"
+    and p not in HELM_VALUES
+    and not p.is_relative_to(POST_RENDERER)
 )
-KUSTOMIZATIONS = sorted(K8S.rglob("kustomization.yaml"))
+KUSTOMIZATIONS = sorted(
+    p for p in K8S.rglob("kustomization.yaml") if not p.is_relative_to(POST_RENDERER)
+)
 SIDECAR_ENV = {"OBJFS_SOURCE", "OBJFS_MOUNTPOINT", "OBJFS_OPTIONS", "OBJFS_READY_FILE"}
 
 
@@ -1252,3 +1261,60 @@ def test_the_node_plugin_accepts_the_helm_volume_attributes(
     context = {**attributes, "csi.storage.k8s.io/pod.uid": "0b6c1d2e-3f40-4a5b-8c6d-7e8f90a1b2c3"}
     checked = volume.parse_volume_context(context, "/var/lib/kubelet/pods/x/volumes/models/mount")
     assert checked.source == attributes["source"]
+
+
+@pytest.mark.skipif(shutil.which("kubectl") is None, reason="kubectl (for kustomize) missing")
+@pytest.mark.parametrize(("name", "values", "entry"), HELM_MODELS, ids=HELM_IDS)
+def test_helm_post_renderer_adds_the_objfs_sidecar_to_each_engine(
+    name: str, values: dict[str, Any], entry: dict[str, Any]
+) -> None:
+    """What the chart renders for one model (its engine Deployment, from the values, and the
+    router), through post-render.sh as Helm runs it: the engine gets the example's objfs
+    sidecar, and the result validates; the router is left as it was."""
+    pod = helm_engine_pod(values, entry)
+    labels = pod["metadata"]["labels"]
+    engine = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": f"vllm-{entry['name']}-deployment-vllm", "labels": labels},
+        "spec": {
+            "replicas": 1,
+            "selector": {"matchLabels": labels},
+            "template": {"metadata": {"labels": labels}, "spec": pod["spec"]},
+        },
+    }
+    router_labels = {"app": "vllm-router"}
+    router = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": {"name": "vllm-deployment-router", "labels": router_labels},
+        "spec": {
+            "selector": {"matchLabels": router_labels},
+            "template": {
+                "metadata": {"labels": router_labels},
+                "spec": {"containers": [{"name": "router", "image": "router:1"}]},
+            },
+        },
+    }
+    res = subprocess.run(
+        [str(POST_RENDERER / "post-render.sh")],
+        input=yaml.safe_dump_all([engine, router]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    out = {d["metadata"]["name"]: d for d in yaml.safe_load_all(res.stdout) if d}
+    assert out["vllm-deployment-router"] == router
+    rendered = out[engine["metadata"]["name"]]
+    spec = rendered["spec"]["template"]["spec"]
+    (sidecar,) = spec["initContainers"]
+    example = find("Deployment", "vllm-llama-csi")["spec"]["template"]["spec"]
+    assert [sidecar] == example["initContainers"]
+    # Every volume the sidecar mounts is one the values declare.
+    declared = {v["name"] for v in spec["volumes"]}
+    assert {m["name"] for m in sidecar["volumeMounts"]} <= declared
+    assert spec["containers"] == pod["spec"]["containers"]
+    for version in VERSIONS:
+        kubernetes_validate.validate(rendered, version, strict=True)
