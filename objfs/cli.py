@@ -681,7 +681,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log_level=args.log_level,
             )
         if args.if_dead:
-            from objfs.sidecar import clear_dead_mount
+            from objfs.mount import clear_dead_mount
 
             clear_dead_mount(os.path.abspath(args.mountpoint))
             return 0

@@ -58,7 +58,6 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass, field
 from typing import TypeVar, overload
 
 import trio
@@ -78,6 +77,16 @@ from objfs.errors import (
     StaleObjectError,
     TransientStoreError,
 )
+from objfs.inodes import (
+    ROOT_INODE,
+    Attributes,
+    DirHandle,
+    Handle,
+    Listing,
+    Node,
+    Probe,
+    posix_name,
+)
 from objfs.nursery import open_nursery
 from objfs.readahead import Readahead
 from objfs.scheduler import Fetcher, ceil_div
@@ -94,96 +103,6 @@ RANDOM_READ_ALIGN = 64 * 1024
 # During an outage, the store is tried again at most this often; meanwhile known metadata is
 # served at once (within --max-stale).
 OUTAGE_RETRY_S = 5.0
-
-ROOT_INODE = 1  # FUSE's fixed root inode number
-NAME_MAX = 255  # bytes, the Linux limit for one path component
-
-
-@dataclass(slots=True, eq=False)
-class Node:
-    """A directory, or one version of a file (its attributes never change)."""
-
-    inode: int
-    parent: int
-    name: bytes
-    key: str  # the object key for a file; the prefix ("" or ending in "/") for a directory
-    is_dir: bool
-    size: int = 0
-    etag: str = ""
-    mtime_ns: int = 0
-    # Monotonic time at which a request that saw this version current (or this directory
-    # existing) started.
-    checked_at: float = -float("inf")
-    superseded: bool = False  # a newer version of the key is known (or the key is gone)
-    big: bool = False  # a directory whose listing takes more than one page
-    lookups: int = 0  # the kernel's references (entries answered, minus forgotten)
-    opens: int = 0  # open handles
-    # The read-ahead state its open handles share (None while none is open).
-    readahead: Readahead | None = None
-    # One byte per block: 1 once the block was served whole to the kernel (its page cache
-    # holds it now, so read-ahead need not fetch it again). Allocated at the first open, not
-    # when the node is listed: a listed key costs O(1) memory whatever its size.
-    served: bytearray = field(default_factory=bytearray)
-
-
-@dataclass(slots=True)
-class Probe:
-    """A name looked up without a fresh listing of its directory: its node, or None."""
-
-    node: Node | None
-    checked_at: float
-
-
-@dataclass(slots=True)
-class Listing:
-    """One directory level: name -> node, in the store's (sorted) order."""
-
-    entries: dict[bytes, Node]
-    fetched_at: float
-
-
-@dataclass
-class Handle:
-    """An open file, pinned to one object version."""
-
-    fh: int
-    node: Node
-    key: str
-    etag: str
-    size: int
-    readahead: Readahead
-    served: bytearray  # the node's, for this version (see Node.served)
-
-
-@dataclass
-class DirHandle:
-    fh: int
-    node: Node
-    entries: list[Node] = field(default_factory=list)
-
-
-@dataclass(frozen=True)
-class Attributes:
-    """What ``stat`` shows; the FUSE layer copies it into ``EntryAttributes``."""
-
-    inode: int
-    mode: int
-    nlink: int
-    uid: int
-    gid: int
-    size: int
-    mtime_ns: int
-    blksize: int
-
-
-def posix_name(name: str) -> bytes | None:
-    """Return the file name for a key segment, or None if POSIX cannot hold it."""
-    if name in ("", ".", "..") or "\0" in name or "/" in name:
-        return None
-    encoded = name.encode("utf-8", "surrogateescape")
-    if len(encoded) > NAME_MAX:
-        return None
-    return encoded
 
 
 class FileSystem:

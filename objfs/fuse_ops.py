@@ -19,7 +19,8 @@ import pyfuse3
 import trio
 
 from objfs.errors import ObjectNotFoundError, ObjfsError
-from objfs.fs import Attributes, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import Attributes
 
 log = logging.getLogger(__name__)
 

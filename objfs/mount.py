@@ -35,6 +35,7 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
@@ -175,11 +176,8 @@ def check_mountpoint(path: str) -> None:
             "--foreground (objfs cannot pass the fd on to a daemon)"
         )
     entry = mount_entry(path)
-    if entry is not None and entry[0] == "fuse.objfs":
-        from objfs.sidecar import clear_dead_mount
-
-        if clear_dead_mount(path):
-            entry = mount_entry(path)
+    if entry is not None and entry[0] == "fuse.objfs" and clear_dead_mount(path):
+        entry = mount_entry(path)
     if entry is not None:
         hint = "run `objfs unmount MOUNTPOINT` first"
         if entry[0].startswith("fuse"):
@@ -694,3 +692,49 @@ def unmount(path: str, *, force: bool = False) -> None:
                 "use `objfs unmount --force` to detach lazily"
             )
         raise UnmountFailedError(f"unmounting {path} failed: {reason}")
+
+
+# How long a statfs may take before a mount counts as hanging (not dead) in clear_dead_mount.
+STALE_CHECK_S = 5.0
+
+
+def probe_errno(path: str, timeout_s: float) -> int | None:
+    """statfs ``path`` in a thread: 0 if answered, the errno if it failed, None if it hangs.
+
+    statfs always reaches the FUSE daemon (the kernel may answer a stat from its attribute
+    cache even after the daemon died).
+    """
+    result: list[int] = []
+
+    def probe() -> None:
+        try:
+            os.statvfs(path)
+            result.append(0)
+        except OSError as exc:
+            result.append(exc.errno or errno.EIO)
+
+    thread = threading.Thread(target=probe, daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return result[0] if result else None
+
+
+def clear_dead_mount(mountpoint: str) -> bool:
+    """Detach a FUSE mount whose daemon is gone (ENOTCONN); True if one was removed.
+
+    A live mount (answered) or one that hangs is left alone: ``objfs mount`` then fails with
+    "already mounted" (exit 12) instead of this process taking over someone else's mount.
+    """
+    entry = mount_entry(mountpoint)
+    if entry is None or not entry[0].startswith("fuse"):
+        return False
+    if probe_errno(mountpoint, STALE_CHECK_S) != errno.ENOTCONN:
+        return False
+    if mount_entry(mountpoint) != entry:  # another process dealt with it meanwhile
+        return False
+    log.warning("detaching a dead %s mount left on %s by a previous run", entry[0], mountpoint)
+    try:
+        unmount(mountpoint, force=True)
+    except NotMountedError:
+        return False  # gone already
+    return True

@@ -58,7 +58,7 @@ from objfs.errors import ObjfsError, StaleObjectError
 from objfs.readahead import Stream
 
 if TYPE_CHECKING:
-    from objfs.fs import Handle
+    from objfs.inodes import Handle
 
 log = logging.getLogger(__name__)
 

@@ -21,20 +21,18 @@ common option (see :data:`VALUE_OPTIONS` and :data:`FLAG_OPTIONS`); ``OBJFS_OPTI
 from __future__ import annotations
 
 import contextlib
-import errno
 import logging
 import os
 import shlex
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Mapping
 from types import FrameType
 
-from objfs.errors import MountLostError, NotMountedError, UsageError
-from objfs.mount import setup_logging, unmount
+from objfs.errors import MountLostError, UsageError
+from objfs.mount import clear_dead_mount, probe_errno, setup_logging, unmount
 from objfs.mountinfo import mount_entry
 
 log = logging.getLogger("objfs.sidecar")
@@ -71,8 +69,6 @@ FLAG_OPTIONS = {"OBJFS_ALLOW_OTHER": "--allow-other", "OBJFS_NO_SIGN_REQUEST": "
 
 # How long the mount may take to serve (the child's own store check gives up well before).
 _READY_TIMEOUT_S = 180.0
-# How long a statfs of a mount left by a previous run may take before it counts as alive.
-_STALE_CHECK_S = 5.0
 
 
 def _truthy(name: str, value: str) -> bool:
@@ -109,48 +105,6 @@ def sidecar_command(env: Mapping[str, str]) -> tuple[str, str, list[str]]:
     if "-f" in options or "--foreground" in options:
         options = [o for o in options if o not in ("-f", "--foreground")]
     return source, os.path.abspath(mountpoint), options
-
-
-def _probe_errno(path: str, timeout_s: float) -> int | None:
-    """statfs ``path`` in a thread: 0 if answered, the errno if it failed, None if it hangs.
-
-    statfs always reaches the FUSE daemon (the kernel may answer a stat from its attribute
-    cache even after the daemon died).
-    """
-    result: list[int] = []
-
-    def probe() -> None:
-        try:
-            os.statvfs(path)
-            result.append(0)
-        except OSError as exc:
-            result.append(exc.errno or errno.EIO)
-
-    thread = threading.Thread(target=probe, daemon=True)
-    thread.start()
-    thread.join(timeout_s)
-    return result[0] if result else None
-
-
-def clear_dead_mount(mountpoint: str) -> bool:
-    """Detach a FUSE mount whose daemon is gone (ENOTCONN); True if one was removed.
-
-    A live mount (answered) or one that hangs is left alone: ``objfs mount`` then fails with
-    "already mounted" (exit 12) instead of this process taking over someone else's mount.
-    """
-    entry = mount_entry(mountpoint)
-    if entry is None or not entry[0].startswith("fuse"):
-        return False
-    if _probe_errno(mountpoint, _STALE_CHECK_S) != errno.ENOTCONN:
-        return False
-    if mount_entry(mountpoint) != entry:  # another process dealt with it meanwhile
-        return False
-    log.warning("detaching a dead %s mount left on %s by a previous run", entry[0], mountpoint)
-    try:
-        unmount(mountpoint, force=True)
-    except NotMountedError:
-        return False  # gone already
-    return True
 
 
 def _write_ready_file(path: str, text: str) -> None:
@@ -195,7 +149,7 @@ class _Supervisor:
             # The statfs comes from this process, not the serving one: it is answered once the
             # child's FUSE loop runs (or fails at once if the child died).
             if entry is not None and entry[0] == "fuse.objfs":
-                return _probe_errno(self.mountpoint, _READY_TIMEOUT_S) == 0
+                return probe_errno(self.mountpoint, _READY_TIMEOUT_S) == 0
             if time.monotonic() > deadline:
                 log.error("the mount did not serve within %.0f s", _READY_TIMEOUT_S)
                 return False

@@ -19,7 +19,8 @@ from objfs.errors import (
     ReadOnlyError,
     StaleObjectError,
 )
-from objfs.fs import ROOT_INODE, FileSystem, posix_name
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE, posix_name
 
 MiB = 1024 * 1024
 

@@ -29,7 +29,7 @@ from objfs.errors import (
     StaleObjectError,
     TransientStoreError,
 )
-from objfs.fs import ROOT_INODE
+from objfs.inodes import ROOT_INODE
 from objfs.nursery import collapse, open_nursery
 from tests.test_fs_core import resolve
 from tests.test_long_lived import Clock, make_fs

@@ -64,7 +64,8 @@ import trio
 
 from objfs.config import MountConfig
 from objfs.errors import MountFailedError, ObjectNotFoundError, ObjfsError
-from objfs.fs import Attributes, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import Attributes
 from objfs.kernel import protocol as p
 from objfs.nursery import open_nursery
 
