@@ -9,8 +9,9 @@ Layers, from the kernel down:
    ``protocol.py`` the wire codec, ``session.py`` one reader thread, writer threads for READ
    replies, passthrough) and ``fuse_ops.py`` (the pyfuse3 fallback, the only place that raises
    ``FUSEError``).
-2. **The core** (``fs.py``, no FUSE): inodes, object versions pinned by ETag, handles, read
-   assembly, random reads and the stale-but-available policy. ``readahead.py`` decides what each
+2. **The core** (``fs.py``, no FUSE): lookups and listings, read assembly, random reads and
+   the stale-but-available policy over the version model of ``inodes.py`` (nodes, versions
+   pinned by ETag, handles). ``readahead.py`` decides what each
    stream wants next, ``scheduler.py`` fetches it and writes it behind to disk,
    ``block_cache.py`` owns the memory tier (its byte budget and block buffers), ``disk_cache.py``
    the disk tier, ``singleflight.py`` shares concurrent misses.
