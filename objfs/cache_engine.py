@@ -34,8 +34,10 @@ import logging
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Sequence
 
-from objfs.errors import UsageError
+from objfs import rawhttp
+from objfs.errors import StaleObjectError, UsageError
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +89,45 @@ class CacheEngine:
         parts = urllib.parse.urlsplit(store_url)
         target = self.base_url + (parts.path or "/")
         return target + ("?" + parts.query if parts.query else "")
+
+    def fetch(
+        self,
+        pool: rawhttp.ConnectionPool,
+        url: str,
+        headers: dict[str, str],
+        start: int,
+        views: Sequence[memoryview],
+        check_version: Callable[[rawhttp.Reply], None],
+    ) -> bool:
+        """(Worker thread) One GET of ``url`` (a :meth:`route` result) into ``views``, the
+        range from ``start``: True when they hold it and ``check_version`` (which raises
+        StaleObjectError for another version's reply) passed; else False, counted as read
+        from the store directly, and as a failure of the engine unless it answered 412."""
+        length = sum(len(v) for v in views)
+        try:
+            reply = pool.get_into(url, headers, views)
+        except rawhttp.ConnectionFailed as exc:
+            self.failed(f"connection failed: {str(exc).split(':', 1)[0]}")
+            self.direct(length)
+            return False
+        problem = None
+        if reply.status in (200, 206):
+            problem = reply.body_error(start, length)
+            if problem is None:
+                try:
+                    check_version(reply)
+                except StaleObjectError:
+                    problem = "it answered another version"
+                else:
+                    self.served(length)
+                    return True
+        elif reply.status == 412:
+            # The store's answer that the pinned version is gone: the direct GET says so.
+            self.direct(length)
+            return False
+        self.failed(problem or f"HTTP {reply.status}")
+        self.direct(length)
+        return False
 
     def signed(self) -> None:
         """A URL was signed (or signed again, its lifetime half over) for the engine."""

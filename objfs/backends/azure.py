@@ -1151,30 +1151,14 @@ class AzureBackend(Backend):
         }
         if etag:
             headers["If-Match"] = etag
-        try:
-            reply = self._data.get_into(routed, headers, views)
-        except rawhttp.ConnectionFailed as exc:
-            engine.failed(f"connection failed: {str(exc).split(':', 1)[0]}")
-            engine.direct(length)
-            return False
-        problem = None
-        if reply.status in (200, 206):
-            problem = reply.body_error(start, length)
-            if problem is None:
-                try:
-                    _check_version(what, etag, reply.headers.get("ETag"))
-                except StaleObjectError:
-                    problem = "it answered another version"
-                else:
-                    engine.served(length)
-                    return True
-        elif reply.status == 412:
-            # The store's answer that the pinned version is gone: the direct GET says so.
-            engine.direct(length)
-            return False
-        engine.failed(problem or f"HTTP {reply.status}")
-        engine.direct(length)
-        return False
+        return engine.fetch(
+            self._data,
+            routed,
+            headers,
+            start,
+            views,
+            lambda reply: _check_version(what, etag, reply.headers.get("ETag")),
+        )
 
     def cache_engine_statistics(self) -> dict[str, int] | None:
         return self._engine.statistics() if self._engine is not None else None

@@ -657,37 +657,18 @@ class S3Backend(Backend):
         condition = if_match(etag)
         if condition:
             headers["If-Match"] = condition
-        try:
-            reply = self._data.get_into(routed, headers, views)
-        except rawhttp.ConnectionFailed as exc:
-            engine.failed(f"connection failed: {str(exc).split(':', 1)[0]}")
-            engine.direct(length)
-            return False
-        problem = None
-        if reply.status in (200, 206):
-            problem = reply.body_error(start, length)
-            if problem is None:
-                try:
-                    total = content_range_total(reply.headers.get("Content-Range"))
-                    _check_version(
-                        what,
-                        etag,
-                        reply.headers.get("ETag"),
-                        reply.headers.get("Last-Modified"),
-                        total if total is not None else length,
-                    )
-                except StaleObjectError:
-                    problem = "it answered another version"
-                else:
-                    engine.served(length)
-                    return True
-        elif reply.status == 412:
-            # The store's answer that the pinned version is gone: the direct GET says so.
-            engine.direct(length)
-            return False
-        engine.failed(problem or f"HTTP {reply.status}")
-        engine.direct(length)
-        return False
+
+        def check(reply: rawhttp.Reply) -> None:
+            total = content_range_total(reply.headers.get("Content-Range"))
+            _check_version(
+                what,
+                etag,
+                reply.headers.get("ETag"),
+                reply.headers.get("Last-Modified"),
+                total if total is not None else length,
+            )
+
+        return engine.fetch(self._data, routed, headers, start, views, check)
 
     def _presigned_url(self, key: str) -> str:
         """A presigned GET URL for ``key`` (query authentication: the engine may re-range
