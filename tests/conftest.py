@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -343,3 +344,24 @@ def mount_az(azurite: Any, tmp_path: Path) -> Iterator[Any]:
 
     with stack:
         yield mount
+
+
+def load_at_once(mounts: list[Mount], files: dict[str, bytes]) -> list[str]:
+    """Every mount reads every file (path relative to the mount: bytes) whole, all at once, in
+    threads; what did not match or failed, by path (empty when every byte was right)."""
+    errors: list[str] = []
+
+    def load(m: Mount) -> None:
+        try:
+            for rel, data in files.items():
+                if sha256((m.path / rel).read_bytes()) != sha256(data):
+                    errors.append(f"{m.path.name}/{rel}: wrong bytes")
+        except OSError as exc:
+            errors.append(f"{m.path.name}: {exc}")
+
+    threads = [threading.Thread(target=load, args=(m,)) for m in mounts]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return errors

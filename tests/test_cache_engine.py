@@ -17,7 +17,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 
 from objfs.cache_engine import CacheEngine, parse_engine_url
 from objfs.errors import UsageError
-from tests.conftest import Mount, put_many, run_objfs, sha256
+from tests.conftest import Mount, load_at_once, put_many, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
 MiB = 1 << 20
@@ -238,19 +237,7 @@ def test_two_nodes_loading_at_once_fetch_the_files_once_from_the_origin(
     put_many(s3, bucket, files)
     nodes = [_node(mount_s3, bucket, origin, engine, n, tmp_path) for n in ("a", "b")]
     origin.reset_stats()
-    errors: list[str] = []
-
-    def load(m: Mount) -> None:
-        for key, data in files.items():
-            if sha256((m.path / key[2:]).read_bytes()) != sha256(data):
-                errors.append(f"{m.path}: {key}")
-
-    threads = [threading.Thread(target=load, args=(m,)) for m in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert errors == []
+    assert load_at_once(nodes, {key[2:]: data for key, data in files.items()}) == []
     total = sum(len(d) for d in files.values())
     sent = origin.stats.response_bytes
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the files"

@@ -19,7 +19,6 @@ import errno
 import json
 import logging
 import os
-import threading
 import time
 import urllib.parse
 from collections.abc import Iterator
@@ -30,7 +29,7 @@ import pytest
 
 from objfs.cli import _mount_config, build_parser
 from tests.azurite import DEV_ACCOUNT, DEV_KEY, put_blobs
-from tests.conftest import Mount, run_objfs, sha256
+from tests.conftest import Mount, load_at_once, run_objfs, sha256
 from tests.helpers.known_secrets import remember
 from tests.helpers.proxy import FaultPlan, Proxy
 from tests.test_cache_engine import PART, Engine
@@ -289,19 +288,7 @@ def test_two_nodes_loading_at_once_fetch_the_blobs_once_from_the_origin(
     put_blobs(azurite, container, files)
     nodes = [_node(mount_az, container, origin, engine, n, tmp_path) for n in ("a", "b")]
     origin.reset_stats()
-    errors: list[str] = []
-
-    def load(m: Mount) -> None:
-        for key, data in files.items():
-            if sha256((m.path / key[2:]).read_bytes()) != sha256(data):
-                errors.append(f"{m.path}: {key}")
-
-    threads = [threading.Thread(target=load, args=(m,)) for m in nodes]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=120)
-    assert errors == []
+    assert load_at_once(nodes, {key[2:]: data for key, data in files.items()}) == []
     total = sum(len(d) for d in files.values())
     sent = origin.stats.response_bytes
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the blobs"

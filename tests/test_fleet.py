@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, mount_command, run_mount, run_objfs, sha256
+from tests.conftest import Mount, load_at_once, mount_command, run_mount, run_objfs, sha256
 from tests.helpers import seaweedfs
 from tests.helpers.netns import Fabric, Host
 from tests.test_cache_engine import NGINX, render_conf
@@ -184,26 +184,6 @@ def _model() -> dict[str, bytes]:
     return files
 
 
-def _load_all(mounts: list[Mount], files: dict[str, bytes]) -> list[str]:
-    """Every mount reads every file whole at once; what did not match, by path."""
-    errors: list[str] = []
-
-    def load(m: Mount) -> None:
-        try:
-            for rel, data in files.items():
-                if sha256((m.path / rel).read_bytes()) != sha256(data):
-                    errors.append(f"{m.path.name}/{rel}: wrong bytes")
-        except OSError as exc:
-            errors.append(f"{m.path.name}: {exc}")
-
-    threads = [threading.Thread(target=load, args=(m,)) for m in mounts]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(timeout=300)
-    return errors
-
-
 def _engine_status(m: Mount) -> dict[str, int]:
     time.sleep(1.5)  # the status file is rewritten every second
     res = run_objfs("status", str(m.path), "--json")
@@ -217,7 +197,7 @@ def test_four_nodes_loading_at_once_fetch_the_model_about_once(fleet: Fleet) -> 
     total = sum(len(d) for d in files.values())
     mounts = [fleet.mount(i) for i in range(NODES)]
     before = fleet.origin.tx_bytes()
-    assert _load_all(mounts, files) == []
+    assert load_at_once(mounts, files) == []
     sent = fleet.origin.tx_bytes() - before
     print(f"\nfour nodes through the engine: the origin sent {sent / total:.3f}x the model")
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the model"
@@ -241,7 +221,7 @@ def test_without_the_engine_every_node_fetches_the_whole_model(fleet: Fleet) -> 
     total = sum(len(d) for d in files.values())
     mounts = [fleet.mount(i, engine=False) for i in range(NODES)]
     before = fleet.origin.tx_bytes()
-    assert _load_all(mounts, files) == []
+    assert load_at_once(mounts, files) == []
     assert fleet.origin.tx_bytes() - before >= NODES * total
 
 
@@ -252,7 +232,7 @@ def test_the_engine_killed_in_the_middle_of_the_loads_costs_no_error(fleet: Flee
     mounts = [fleet.mount(i) for i in range(NODES)]
     before = fleet.origin.tx_bytes()
     errors: list[str] = []
-    loads = threading.Thread(target=lambda: errors.extend(_load_all(mounts, files)))
+    loads = threading.Thread(target=lambda: errors.extend(load_at_once(mounts, files)))
     loads.start()
     deadline = time.monotonic() + 60
     while fleet.origin.tx_bytes() - before < total // 3 and time.monotonic() < deadline:
@@ -275,13 +255,13 @@ def test_after_a_replacement_no_node_reads_the_old_version(fleet: Fleet) -> None
     old = _model()
     fleet.upload(old, "v1")
     mounts = [fleet.mount(i) for i in range(NODES)]
-    assert _load_all(mounts, old) == []
+    assert load_at_once(mounts, old) == []
     new = {rel: os.urandom(len(data)) for rel, data in old.items()}  # same sizes
     fleet.upload(new, "v2")
     time.sleep(1.5)  # past the mounts' metadata TTL
-    assert _load_all(mounts, new) == []
+    assert load_at_once(mounts, new) == []
     fresh = fleet.mount(0)
-    assert _load_all([fresh], new) == []
+    assert load_at_once([fresh], new) == []
 
 
 def test_a_url_that_expires_during_a_load_is_signed_again_first(fleet: Fleet) -> None:
