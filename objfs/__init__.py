@@ -13,7 +13,7 @@ Layers, from the kernel down:
    the stale-but-available policy over the version model of ``inodes.py`` (nodes, versions
    pinned by ETag, handles). ``readahead.py`` decides what each
    stream wants next, ``scheduler.py`` fetches it and writes it behind to disk,
-   ``block_cache.py`` owns the memory tier (its byte budget and block buffers), ``disk_cache.py``
+   ``block_cache.py`` owns the memory tier (its byte budget and block buffers), ``disk_cache/``
    the disk tier, ``singleflight.py`` shares concurrent misses.
 3. **Backends** (``backends/``: ``base.py`` the interface, ``s3.py``, ``azure.py``, ``account.py``
    for a whole account, ``memory.py`` for tests): metadata through the SDKs, data GETs through

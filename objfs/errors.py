@@ -225,7 +225,7 @@ EXIT_CODES: dict[int, str] = {
 
 
 #: The attribute that marks the log record of an internal error's traceback: a terminal's
-#: handler shows it only at debug level (objfs.mount.setup_logging), since the command prints
+#: handler shows it only at debug level (objfs.logsetup.setup_logging), since the command prints
 #: the error's one line there itself.
 INTERNAL_ERROR_RECORD = "objfs_internal_error"
 

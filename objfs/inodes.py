@@ -3,9 +3,9 @@
 A file :class:`Node` is one version of one object: its key, ETag, size and mtime never change
 once made; a newer version gets a new node (the old one is ``superseded``). A :class:`Handle`
 is an open file pinned to one version, so its reads always return that version's bytes or an
-error. Directories are nodes too; their entries come from :class:`Listing` s. Kept apart from
-:mod:`objfs.fs` (which owns and changes them, on the trio thread) so that the scheduler can
-name a handle without importing the file system.
+error. Directories are nodes too; their entries come from :class:`Listing` s. Plain data:
+:mod:`objfs.namespace` (nodes, listings, probes) and :mod:`objfs.fs` (handles) own and change
+them, on the trio thread; the scheduler and the read path only name them.
 """
 
 from __future__ import annotations

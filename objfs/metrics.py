@@ -1,246 +1,36 @@
 """Live figures of a mount: Prometheus metrics (``--metrics-addr``) and the status file.
 
-* :class:`InstrumentedBackend` wraps any backend and counts its requests (by operation), their
-  latency, the bytes fetched, errors by kind and the requests in flight; with
-  ``--log-level debug`` it logs every request. :mod:`objfs.fs` never knows it is there.
-* :class:`Telemetry` gathers those figures with ``FileSystem.statistics()`` (cache tiers,
-  memory budget) and the FUSE adapter's bytes served. It serves them to Prometheus from a
-  thread (``prometheus_client``'s HTTP server, bound only to the address given) and writes
-  them once a second to a small JSON *status file* that ``objfs status`` reads.
-
-The status file lives under :func:`runtime_dir` and is named after the mountpoint, so
-``objfs status`` answers without touching the mount: it works while the mount hangs, and the
-serving process never stats its own mountpoint (that would deadlock it). All figures are
-plain integers updated on the trio thread; the HTTP thread only reads them.
-
-A daemon that is killed (SIGKILL, the OOM killer, a node that loses power with a persistent
-runtime folder) cannot remove its status file. When a daemon first writes its own, it
-removes those of daemons that are gone: a status file (or a temporary one) not rewritten for
-:data:`STALE_STATUS_S` whose pid no longer runs. Both conditions, because a pid can be
-reused, and a daemon in another pid namespace that shares the folder looks gone by its pid
-but rewrites its file every second.
+:class:`Telemetry` gathers the store's figures (:class:`objfs.store_metrics.StoreStats`, counted
+by :class:`~objfs.store_metrics.InstrumentedBackend`) with ``FileSystem.statistics()`` (cache
+tiers, memory budget) and the FUSE adapter's bytes served. It serves them to Prometheus from a
+thread (``prometheus_client``'s HTTP server, bound only to the address given) and writes them
+once a second to the status file (:mod:`objfs.status_files`) that ``objfs status`` reads. All
+figures are plain integers updated on the trio thread; the HTTP thread only reads them.
 """
 
 from __future__ import annotations
 
-import bisect
 import collections
-import contextlib
-import hashlib
 import json
 import logging
 import os
-import re
-import stat
-import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import trio
 
 from objfs import __version__
-from objfs.backends.base import Backend, ListPage, ObjectInfo
 from objfs.config import MountConfig
-from objfs.errors import (
-    AccessDeniedError,
-    BucketNotFoundError,
-    EndpointUnreachableError,
-    NoCredentialsError,
-    ObjectNotFoundError,
-    StaleObjectError,
-    TransientStoreError,
-    UsageError,
-)
+from objfs.errors import UsageError
+from objfs.status_files import STATUS_INTERVAL_S, StatusFile
+from objfs.store_metrics import OPERATIONS, InstrumentedBackend
 
 log = logging.getLogger("objfs.metrics")
-request_log = logging.getLogger("objfs.store")
 
-#: Store operations, as the ``operation`` label names them.
-OPERATIONS = ("get", "head", "list")
-#: Error kinds, as the ``kind`` label names them (``other``: anything unexpected).
-ERROR_KINDS: dict[type[BaseException], str] = {
-    BucketNotFoundError: "bucket_not_found",
-    AccessDeniedError: "access_denied",
-    NoCredentialsError: "no_credentials",
-    EndpointUnreachableError: "unreachable",
-    ObjectNotFoundError: "not_found",
-    StaleObjectError: "stale",
-    TransientStoreError: "transient",
-}
-_KIND_NAMES = (*ERROR_KINDS.values(), "other")
-#: Upper bounds (seconds) of the request latency histogram's buckets (+Inf is implied).
-LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-#: How often the daemon rewrites its status file.
-STATUS_INTERVAL_S = 1.0
 #: The window over which ``objfs status`` reports throughput.
 RATE_WINDOW_S = 10.0
 STATUS_FORMAT = 1
-
-
-def error_kind(exc: BaseException) -> str:
-    for cls, kind in ERROR_KINDS.items():
-        if isinstance(exc, cls):
-            return kind
-    return "other"
-
-
-class Histogram:
-    """Counts per latency bucket plus the sum: what a Prometheus histogram exports."""
-
-    def __init__(self, bounds: tuple[float, ...] = LATENCY_BUCKETS_S) -> None:
-        self.bounds = bounds
-        self.counts = [0] * (len(bounds) + 1)  # the last one is +Inf
-        self.sum_s = 0.0
-
-    def observe(self, seconds: float) -> None:
-        self.counts[bisect.bisect_left(self.bounds, seconds)] += 1
-        self.sum_s += seconds
-
-    @property
-    def count(self) -> int:
-        return sum(self.counts)
-
-    def cumulative(self) -> list[tuple[str, int]]:
-        out, total = [], 0
-        for bound, n in zip((*map(str, self.bounds), "+Inf"), list(self.counts), strict=True):
-            total += n
-            out.append((bound, total))
-        return out
-
-
-class StoreStats:
-    """What an :class:`InstrumentedBackend` counted. Written on the trio thread only."""
-
-    def __init__(self) -> None:
-        self.requests = dict.fromkeys(OPERATIONS, 0)
-        self.latency = {op: Histogram() for op in OPERATIONS}
-        self.errors = dict.fromkeys(_KIND_NAMES, 0)
-        self.bytes_fetched = 0
-        self.in_flight = 0
-
-
-class InstrumentedBackend(Backend):
-    """A backend that counts and times every request of the backend it wraps."""
-
-    def __init__(self, inner: Backend, stats: StoreStats | None = None) -> None:
-        self.inner = inner
-        self.stats = StoreStats() if stats is None else stats
-        self.description = inner.description
-
-    @contextlib.contextmanager
-    def _request(self, op: str, what: str) -> Iterator[list[int]]:
-        """Count one request; the caller appends the bytes it received to the list."""
-        stats = self.stats
-        stats.in_flight += 1
-        start = time.perf_counter()
-        received: list[int] = []
-        try:
-            yield received
-        except trio.Cancelled:
-            raise  # read-ahead that is no longer needed: not a request, not an error
-        except BaseException as exc:
-            elapsed = time.perf_counter() - start
-            kind = error_kind(exc)
-            stats.requests[op] += 1
-            stats.latency[op].observe(elapsed)
-            stats.errors[kind] += 1
-            request_log.debug("%s %s: %s after %.1f ms", op.upper(), what, kind, elapsed * 1e3)
-            raise
-        else:
-            elapsed = time.perf_counter() - start
-            nbytes = sum(received)
-            stats.requests[op] += 1
-            stats.latency[op].observe(elapsed)
-            stats.bytes_fetched += nbytes
-            if request_log.isEnabledFor(logging.DEBUG):
-                size = f"{nbytes} bytes in " if op == "get" else ""
-                request_log.debug("%s %s: %s%.1f ms", op.upper(), what, size, elapsed * 1e3)
-        finally:
-            stats.in_flight -= 1
-
-    async def check(self, prefix: str) -> bool:
-        with self._request("list", f"{prefix!r} (check)"):
-            return await self.inner.check(prefix)
-
-    def list_prefix(self, prefix: str) -> AsyncIterator[ListPage]:
-        return _ListPages(self, prefix)
-
-    async def head(self, key: str) -> ObjectInfo:
-        with self._request("head", repr(key)):
-            return await self.inner.head(key)
-
-    async def has_keys_under(self, prefix: str) -> bool:
-        with self._request("list", f"{prefix!r} (one key)"):
-            return await self.inner.has_keys_under(prefix)
-
-    async def read_range(self, key: str, etag: str, start: int, length: int) -> bytes:
-        with self._request("get", f"{key!r} bytes {start}-{start + length - 1}") as received:
-            data = await self.inner.read_range(key, etag, start, length)
-            received.append(len(data))
-            return data
-
-    async def read_into(self, key: str, etag: str, start: int, views: Sequence[memoryview]) -> None:
-        length = sum(len(v) for v in views)
-        with self._request("get", f"{key!r} bytes {start}-{start + length - 1}") as received:
-            await self.inner.read_into(key, etag, start, views)
-            received.append(length)
-
-    def cache_engine_statistics(self) -> dict[str, int] | None:
-        return self.inner.cache_engine_statistics()
-
-    async def aclose(self) -> None:
-        await self.inner.aclose()
-
-
-class _ListPages:
-    """Async iterator over a listing that times each page's request (one per page)."""
-
-    def __init__(self, backend: InstrumentedBackend, prefix: str) -> None:
-        self._backend = backend
-        self._prefix = prefix
-        self._pages = backend.inner.list_prefix(prefix)
-
-    def __aiter__(self) -> _ListPages:
-        return self
-
-    async def __anext__(self) -> ListPage:
-        stats = self._backend.stats
-        stats.in_flight += 1
-        start = time.perf_counter()
-        try:
-            page = await self._pages.__anext__()
-        except StopAsyncIteration:
-            raise
-        except trio.Cancelled:
-            raise
-        except BaseException as exc:
-            kind = error_kind(exc)
-            stats.requests["list"] += 1
-            stats.latency["list"].observe(time.perf_counter() - start)
-            stats.errors[kind] += 1
-            request_log.debug("LIST %r: %s", self._prefix, kind)
-            raise
-        else:
-            elapsed = time.perf_counter() - start
-            stats.requests["list"] += 1
-            stats.latency["list"].observe(elapsed)
-            if request_log.isEnabledFor(logging.DEBUG):
-                request_log.debug(
-                    "LIST %r: %d keys, %d prefixes in %.1f ms",
-                    self._prefix,
-                    len(page.objects),
-                    len(page.prefixes),
-                    elapsed * 1e3,
-                )
-            return page
-        finally:
-            stats.in_flight -= 1
-
-    async def aclose(self) -> None:
-        aclose = getattr(self._pages, "aclose", None)
-        if aclose is not None:
-            await aclose()
 
 
 # -- the listen address ----------------------------------------------------------------------
@@ -260,106 +50,6 @@ def parse_listen_address(text: str, *, option: str = "--metrics-addr") -> tuple[
     return host, int(port_text)
 
 
-# -- where the status files live -------------------------------------------------------------
-
-
-def _runtime_dirs() -> list[str]:
-    """Candidate folders for status files, the daemon's choice first.
-
-    ``$OBJFS_RUNTIME_DIR`` alone when set; else ``/run/objfs`` for root, ``$XDG_RUNTIME_DIR/
-    objfs`` and ``/tmp/objfs-UID`` (mode 0700) for other users.
-    """
-    explicit = os.environ.get("OBJFS_RUNTIME_DIR")
-    if explicit:
-        return [explicit]
-    dirs = ["/run/objfs"] if os.geteuid() == 0 else []
-    xdg = os.environ.get("XDG_RUNTIME_DIR")
-    if xdg:
-        dirs.append(os.path.join(xdg, "objfs"))
-    dirs.append(os.path.join(tempfile.gettempdir(), f"objfs-{os.geteuid()}"))
-    return dirs
-
-
-#: A status file this old (not rewritten), of a pid that no longer runs, is removed.
-STALE_STATUS_S = 60.0
-
-
-def pid_gone(pid: int) -> bool:
-    """True when no process ``pid`` runs (in this pid namespace)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except (PermissionError, OverflowError, ValueError):
-        return False  # another user's process, or not a pid at all (kept: not ours to judge)
-    return False
-
-
-def remove_stale_status_files(folder: str, *, now: float | None = None) -> int:
-    """Remove the status files in ``folder`` left by daemons that are gone (see the module's
-    docstring); returns how many. Files that are not status files are never touched."""
-    now = time.time() if now is None else now
-    removed = 0
-    try:
-        names = os.listdir(folder)
-    except OSError:
-        return 0
-    for name in names:
-        temporary = name.startswith(".status-")
-        if not (temporary or _STATUS_NAME.fullmatch(name)):
-            continue
-        path = os.path.join(folder, name)
-        try:
-            st = os.lstat(path)
-            if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
-                continue
-            if now - st.st_mtime < STALE_STATUS_S:
-                continue
-            if not temporary:
-                with open(path, "rb") as f:
-                    text = f.read(1 << 20)
-                try:
-                    data = json.loads(text)
-                except ValueError:
-                    data = None  # not written by a daemon (each write is whole): nobody's
-                pid = data.get("pid") if isinstance(data, dict) else None
-                if isinstance(pid, int) and pid > 0 and not pid_gone(pid):
-                    continue
-            os.unlink(path)
-            removed += 1
-        except OSError:
-            continue
-    return removed
-
-
-_STATUS_NAME = re.compile(r"[0-9a-f]{32}\.json")
-
-
-def status_file_name(mountpoint: str) -> str:
-    return hashlib.sha256(os.fsencode(mountpoint)).hexdigest()[:32] + ".json"
-
-
-def find_status_files(mountpoint: str) -> list[str]:
-    """Status files that may describe ``mountpoint`` (a root daemon's too, for any user)."""
-    name = status_file_name(mountpoint)
-    dirs = _runtime_dirs()
-    if "/run/objfs" not in dirs and not os.environ.get("OBJFS_RUNTIME_DIR"):
-        dirs.append("/run/objfs")
-    return [p for p in (os.path.join(d, name) for d in dirs) if os.path.isfile(p)]
-
-
-def _usable_dir(path: str) -> bool:
-    """Create ``path`` if needed; True if it is a real directory owned by this user."""
-    shared = os.geteuid() == 0 and path == "/run/objfs"
-    try:
-        os.makedirs(path, mode=0o755 if shared else 0o700, exist_ok=True)
-        st = os.lstat(path)
-    except OSError:
-        return False
-    # Never write into a folder someone else controls (a /tmp name taken by another user).
-    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid()
-
-
 # -- Telemetry -------------------------------------------------------------------------------
 
 
@@ -377,8 +67,7 @@ class Telemetry:
         self.ops = ops
         self.started_at = time.time()
         self._samples: collections.deque[tuple[float, int, int]] = collections.deque()
-        self._status_path: str | None = None
-        self._status_failed = False
+        self._status = StatusFile(config.mountpoint)
         self._httpd: Any = None
         if config.metrics_addr:
             self._start_http(config.metrics_addr)
@@ -514,48 +203,14 @@ class Telemetry:
     # -- the status file -------------------------------------------------------------------
 
     def write_status(self) -> None:
-        if self._status_failed:
+        if self._status.failed:
             return
         snap = self.snapshot()
         snap["rates"] = self._rates(snap["served"]["bytes"], snap["store"]["bytes_fetched"])
-        data = json.dumps(snap, separators=(",", ":")).encode()
-        if self._status_path is None:
-            for folder in _runtime_dirs():
-                if _usable_dir(folder):
-                    self._status_path = os.path.join(
-                        folder, status_file_name(self.config.mountpoint)
-                    )
-                    removed = remove_stale_status_files(folder)
-                    if removed:
-                        log.info("removed %d status files of daemons that are gone", removed)
-                    break
-            else:
-                self._status_failed = True
-                log.warning(
-                    "cannot create a folder for the status file (%s): `objfs status` will not "
-                    "see this mount; set OBJFS_RUNTIME_DIR to a writable folder",
-                    ", ".join(_runtime_dirs()),
-                )
-                return
-        folder = os.path.dirname(self._status_path)
-        try:
-            fd, tmp = tempfile.mkstemp(dir=folder, prefix=".status-")
-            try:
-                os.fchmod(fd, 0o644)
-                os.write(fd, data)
-            finally:
-                os.close(fd)
-            os.replace(tmp, self._status_path)
-        except OSError as exc:
-            self._status_failed = True
-            log.warning("cannot write the status file in %s (%s)", folder, exc.strerror)
-            with contextlib.suppress(OSError, UnboundLocalError):
-                os.unlink(tmp)
+        self._status.write(json.dumps(snap, separators=(",", ":")).encode())
 
     def remove_status(self) -> None:
-        if self._status_path is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(self._status_path)
+        self._status.remove()
 
     async def run(self, on_ready: Callable[[], None], ready: trio.Event) -> None:
         """Write the status file, report readiness once ``ready`` is set, then refresh the

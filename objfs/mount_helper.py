@@ -20,43 +20,16 @@ import os
 import sys
 from collections.abc import Sequence
 
-#: Options that take a value, and the ``objfs mount`` option each becomes.
+from objfs.options import is_flag, mount_options
+
+#: Options that take a value, and the ``objfs mount`` option each becomes: every option of
+#: ``objfs mount`` (:func:`objfs.options.mount_options`), ``_`` for ``-``.
 VALUE_OPTIONS = {
-    key: "--" + key.replace("_", "-")
-    for key in (
-        "endpoint_url",
-        "cache_proxy",
-        "cache_proxy_url_lifetime",
-        "region",
-        "profile",
-        "ca_bundle",
-        "account_name",
-        "account_url",
-        "sas_token_file",
-        "max_connections",
-        "part_size",
-        "memory_limit",
-        "cache_dir",
-        "cache_size",
-        "cache_min_free",
-        "read_ahead_kb",
-        "fuse_transport",
-        "uid",
-        "gid",
-        "metadata_ttl",
-        "log_level",
-        "log_file",
-        "log_format",
-        "metrics_addr",
-    )
+    name.replace("-", "_"): f"--{name}" for name in mount_options() if not is_flag(name)
 }
 VALUE_OPTIONS["credentials"] = "--credentials-file"
-VALUE_OPTIONS["credentials_file"] = "--credentials-file"
 #: Options without a value that switch on an ``objfs mount`` flag.
-FLAG_OPTIONS = {
-    key: "--" + key.replace("_", "-")
-    for key in ("allow_other", "no_sign_request", "force_path_style", "no_force_path_style")
-}
+FLAG_OPTIONS = {name.replace("-", "_"): f"--{name}" for name in mount_options() if is_flag(name)}
 #: mount(8)'s and systemd's own options, and FUSE defaults objfs always applies.
 IGNORED = frozenset(
     {
@@ -210,9 +183,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("objfs " + " ".join(command), file=sys.stderr)
     if fake:
         return 0
-    from objfs.cli import main as objfs_main
-
-    return objfs_main(command)
+    # The command itself, in this process (exec: same pid, so mount(8) waits for it).
+    os.execv(sys.executable, [sys.executable, "-m", "objfs", *command])
 
 
 if __name__ == "__main__":

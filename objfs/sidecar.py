@@ -15,7 +15,8 @@ It runs ``objfs mount ... --foreground`` as its child and supervises it:
 
 Environment: ``OBJFS_SOURCE`` and ``OBJFS_MOUNTPOINT`` (required), ``OBJFS_OPTIONS`` (more
 ``objfs mount`` options, split like a shell would), ``OBJFS_READY_FILE``, and one variable per
-common option (see :data:`VALUE_OPTIONS` and :data:`FLAG_OPTIONS`); ``OBJFS_OPTIONS`` wins.
+option of ``objfs mount`` (:data:`VALUE_OPTIONS`; a flag's, :data:`FLAG_OPTIONS`, is ``true`` or
+``false``); ``OBJFS_OPTIONS`` wins.
 """
 
 from __future__ import annotations
@@ -32,52 +33,26 @@ from collections.abc import Mapping
 from types import FrameType
 
 from objfs.errors import MountLostError, UsageError
-from objfs.mount import clear_dead_mount, probe_errno, setup_logging, unmount
+from objfs.logsetup import setup_logging
 from objfs.mountinfo import mount_entry
+from objfs.mountpoint import clear_dead_mount, probe_errno, unmount
+from objfs.options import flag_arguments, is_flag, mount_options, parse_boolean
 
 log = logging.getLogger("objfs.sidecar")
 
-#: Environment variables that carry the value of an ``objfs mount`` option.
-VALUE_OPTIONS = {
-    name: "--" + name.removeprefix("OBJFS_").lower().replace("_", "-")
-    for name in (
-        "OBJFS_ENDPOINT_URL",
-        "OBJFS_REGION",
-        "OBJFS_PROFILE",
-        "OBJFS_CA_BUNDLE",
-        "OBJFS_ACCOUNT_NAME",
-        "OBJFS_ACCOUNT_URL",
-        "OBJFS_SAS_TOKEN_FILE",
-        "OBJFS_CREDENTIALS_FILE",
-        "OBJFS_MAX_CONNECTIONS",
-        "OBJFS_PART_SIZE",
-        "OBJFS_MEMORY_LIMIT",
-        "OBJFS_CACHE_DIR",
-        "OBJFS_CACHE_SIZE",
-        "OBJFS_CACHE_MIN_FREE",
-        "OBJFS_READ_AHEAD_KB",
-        "OBJFS_UID",
-        "OBJFS_GID",
-        "OBJFS_METADATA_TTL",
-        "OBJFS_LOG_LEVEL",
-        "OBJFS_LOG_FORMAT",
-        "OBJFS_METRICS_ADDR",
-    )
-}
-#: Environment variables that switch an ``objfs mount`` flag on (1/true/yes/on).
-FLAG_OPTIONS = {"OBJFS_ALLOW_OTHER": "--allow-other", "OBJFS_NO_SIGN_REQUEST": "--no-sign-request"}
+
+def _variable(name: str) -> str:
+    return "OBJFS_" + name.upper().replace("-", "_")
+
+
+#: Environment variables that carry the value of an ``objfs mount`` option: one per option of
+#: :func:`objfs.options.mount_options` (``--cache-dir``: ``OBJFS_CACHE_DIR``).
+VALUE_OPTIONS = {_variable(name): f"--{name}" for name in mount_options() if not is_flag(name)}
+#: Environment variables that set an ``objfs mount`` flag: ``true`` or ``false``.
+FLAG_OPTIONS = {_variable(name): name for name in mount_options() if is_flag(name)}
 
 # How long the mount may take to serve (the child's own store check gives up well before).
 _READY_TIMEOUT_S = 180.0
-
-
-def _truthy(name: str, value: str) -> bool:
-    v = value.strip().lower()
-    if v in ("1", "true", "yes", "on"):
-        return True
-    if v in ("", "0", "false", "no", "off"):
-        return False
-    raise UsageError(f"{name}={value!r} is not a boolean: give 1/true/yes/on or 0/false/no/off")
 
 
 def sidecar_command(env: Mapping[str, str]) -> tuple[str, str, list[str]]:
@@ -96,8 +71,11 @@ def sidecar_command(env: Mapping[str, str]) -> tuple[str, str, list[str]]:
         if value:
             options += [flag, value]
     for name, flag in FLAG_OPTIONS.items():
-        if _truthy(name, env.get(name, "")):
-            options.append(flag)
+        value = env.get(name, "").strip()
+        if value:  # empty: unset, as for a value
+            options += flag_arguments(
+                flag, parse_boolean(value, f"{name}={value!r} is not a boolean")
+            )
     try:
         options += shlex.split(env.get("OBJFS_OPTIONS", ""))
     except ValueError as exc:

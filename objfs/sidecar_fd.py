@@ -44,7 +44,6 @@ closes the connections and exits 0. Only a bad DIR is an error (exit 2).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import ctypes
 import errno
@@ -65,16 +64,17 @@ from types import FrameType
 from typing import Any
 
 from objfs import fdpass
-from objfs.errors import DaemonNotAnsweringError, UsageError
-from objfs.metrics import pid_gone
-from objfs.mount import FD_USED_ENV, setup_logging
+from objfs.errors import UsageError
+from objfs.logsetup import setup_logging
+from objfs.mountpoint import FD_USED_ENV
+from objfs.options import build_parser
+from objfs.options import mount_arguments as mount_arguments_of
+from objfs.status import STATUS_FILE, STATUS_KIND
 
 log = logging.getLogger("objfs.sidecar")
 
 #: Environment variable naming where state files go (default: the fd dir itself).
 STATE_DIR_ENV = "OBJFS_STATE_DIR"
-STATUS_FILE = ".objfs-sidecar.json"
-STATUS_KIND = "fd-sidecar"
 READY_FILE = ".ready"
 RUN_DIR = ".objfs-run"
 #: How long a stopped child may take to exit before it is killed.
@@ -95,8 +95,6 @@ _STATUS_INTERVAL_S = 1.0
 # How long a socket file must stay away before its child is stopped: a restarting node plugin
 # unlinks the socket, then binds it again.
 _GONE_AFTER_S = 3.0
-# Options an offer may not set: the sidecar decides them.
-_REFUSED_OPTIONS = {"foreground", "daemon-ready-fd", "help"}
 # Keys the kubelet adds to volume attributes; the node plugin should drop them, but they are
 # no mount options either way.
 _POD_INFO_PREFIX = "csi.storage.k8s.io/"
@@ -105,62 +103,31 @@ _PR_SET_PDEATHSIG = 1
 #: never touched its fd.
 FD_USED_FILE = "fd-used"
 _FD_USED_ENV = FD_USED_ENV
-# The child's command: ``objfs mount`` that marks FD_USED_FILE before it sets up the session.
-_CHILD_CODE = "import sys; from objfs.sidecar_fd import child_main; sys.exit(child_main())"
+# The child's command, run by a new interpreter (a string: this module does not import the
+# command): ``objfs mount SOURCE /dev/fd/N ...``. objfs.mount creates the file named by
+# $OBJFS_SIDECAR_FD_USED_FILE (FD_USED_ENV) just before it sets up the session on the fd, and
+# does not start if it cannot: no mark always means an untouched fd.
+_CHILD_CODE = "import sys; from objfs.cli import main; sys.exit(main(sys.argv[1:]))"
 
 
 # -- options ---------------------------------------------------------------------------------
 
 
-def _mount_parser() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
-    from objfs.cli import build_parser
-
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            return parser, action.choices["mount"]
-    raise AssertionError("objfs's parser has no mount command")
-
-
 def mount_arguments(source: str, options: dict[str, str]) -> list[str]:
     """``objfs mount`` options for an offer's ``options``; raises UsageError (one line).
 
-    Keys are long options without dashes; flags take ``true``/``false``. The result is checked
-    with ``objfs mount``'s own parser, so a value it would refuse is refused here already.
+    Keys are long options without dashes; flags take ``true``/``false``
+    (:func:`objfs.options.mount_arguments`). The result is checked with ``objfs mount``'s own
+    parser, so a value it would refuse is refused here already.
     """
-    parser, mount = _mount_parser()
-    actions: dict[str, argparse.Action] = {}
-    for action in mount._actions:
-        for flag in action.option_strings:
-            if flag.startswith("--"):  # --x and --no-x of a BooleanOptionalAction both
-                actions[flag[2:]] = action
-    argv: list[str] = []
-    for key, value in sorted(options.items()):
-        if key.startswith(_POD_INFO_PREFIX):
-            continue
-        found = actions.get(key)
-        if found is None or key in _REFUSED_OPTIONS:
-            raise UsageError(
-                f"unknown option {key!r}: a volume takes `objfs mount` long options without "
-                "dashes (e.g. region, metadata-ttl, cache-size)"
-            )
-        action = found
-        if action.nargs == 0:  # a flag (store_true, or --x/--no-x)
-            truth = value.strip().lower()
-            if truth in ("true", "1", "yes", "on"):
-                argv.append(f"--{key}")
-            elif truth in ("false", "0", "no", "off"):
-                if isinstance(action, argparse.BooleanOptionalAction):  # the other form
-                    argv.append("--" + (key[3:] if key.startswith("no-") else f"no-{key}"))
-            else:
-                raise UsageError(f"option {key!r} is a flag: give true or false")
-        else:
-            argv.append(f"--{key}={value}")  # '=': a value may start with a dash
+    argv = mount_arguments_of(
+        {key: value for key, value in options.items() if not key.startswith(_POD_INFO_PREFIX)}
+    )
     # argparse reports to stderr and exits; catch both to get its one line.
     captured = io.StringIO()
     try:
         with contextlib.redirect_stderr(captured):
-            parser.parse_args(["mount", source, "/dev/fd/0", *argv, "--foreground"])
+            build_parser().parse_args(["mount", source, "/dev/fd/0", *argv, "--foreground"])
     except SystemExit:
         message = captured.getvalue().strip().removeprefix("objfs: error:").strip()
         message = message.split(" (see `")[0] or "the options are not valid"
@@ -185,19 +152,6 @@ def _die_with_parent_fn() -> Any:
             os._exit(1)
 
     return preexec
-
-
-def child_main(argv: list[str] | None = None) -> int:
-    """A child: ``objfs ARGV`` (``mount SOURCE /dev/fd/N ...``).
-
-    ``objfs.mount`` creates the file named by ``$OBJFS_SIDECAR_FD_USED_FILE``
-    (:data:`objfs.mount.FD_USED_ENV`) just before ``pyfuse3.init`` takes the fd (the kernel's
-    INIT request is read from then on), and does not start if it cannot: no mark always means
-    an untouched fd.
-    """
-    from objfs.cli import main
-
-    return main(sys.argv[1:] if argv is None else argv)
 
 
 @dataclass
@@ -704,64 +658,6 @@ def _check_dir(path: str, what: str) -> str:
             "run the sidecar as a user that can write it"
         )
     return path
-
-
-def state_status_file(path: str) -> str | None:
-    """The sidecar's status file if ``path`` is its fd dir (or state dir), else None.
-
-    Only for a path that is not a FUSE mount: looking inside one could hang.
-    """
-    file = os.path.join(path, STATUS_FILE)
-    return file if os.path.isfile(file) else None
-
-
-def read_fd_sidecar_status(path: str, status_file: str, max_age_s: float) -> dict[str, Any]:
-    """``objfs status DIR`` for an fd dir: the sidecar's figures.
-
-    Raises DaemonNotAnsweringError (18) if the sidecar is gone or silent for ``max_age_s``,
-    or if a volume offered to it is not served (``--probe`` fails until every one serves).
-    """
-    try:
-        with open(status_file, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise DaemonNotAnsweringError(f"cannot read {status_file}: {exc}") from None
-    if not isinstance(data, dict) or data.get("kind") != STATUS_KIND:
-        raise DaemonNotAnsweringError(f"{status_file} is not an objfs sidecar's status file")
-    pid = int(data.get("pid", 0))
-    if pid <= 0 or pid_gone(pid):
-        raise DaemonNotAnsweringError(f"the objfs sidecar serving {path} (pid {pid}) is gone")
-    age = time.time() - float(data.get("updated_at", 0))
-    if age > max_age_s:
-        raise DaemonNotAnsweringError(
-            f"the objfs sidecar serving {path} (pid {pid}) has not reported for {age:.0f} s: "
-            "it hangs or is stopped"
-        )
-    if not data.get("ready"):
-        pending = [
-            f"{name} ({v.get('state')}" + (f": {v['error']}" if v.get("error") else "") + ")"
-            for name, v in sorted(dict(data.get("volumes", {})).items())
-            if v.get("state") not in ("serving", "idle")
-        ]
-        raise DaemonNotAnsweringError(
-            f"the objfs sidecar in {path} does not serve every volume yet: "
-            + (", ".join(pending) or "starting")
-        )
-    return data
-
-
-def format_fd_sidecar_status(s: dict[str, Any]) -> str:
-    lines = [f"{s['fd_dir']}: objfs sidecar, pid {s['pid']}, {len(s['volumes'])} volumes"]
-    for name, v in sorted(s["volumes"].items()):
-        line = f"  {name:<20} {v.get('state')}"
-        if v.get("source"):
-            line += f"  {v['source']}"
-        if v.get("pid"):
-            line += f"  (pid {v['pid']})"
-        if v.get("error"):
-            line += f"  {v['error']}"
-        lines.append(line)
-    return "\n".join(lines)
 
 
 def run_fd_sidecar(fd_dir: str) -> int:

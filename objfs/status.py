@@ -4,7 +4,7 @@ Given the fd dir of ``objfs sidecar --fd-dir`` instead, it reads the sidecar's o
 (see :mod:`objfs.sidecar_fd`): ``--probe`` then passes while the sidecar runs and serves every
 volume offered to it.
 
-It reads the status file the daemon rewrites every second (see :mod:`objfs.metrics`) and the
+It reads the status file the daemon rewrites every second (see :mod:`objfs.status_files`) and the
 kernel's mount table; it never touches the mount itself, so it answers while the mount hangs.
 It trusts only status files written by the user that mounted (or root) in a folder no other
 user may write; another one is skipped with a warning.
@@ -20,11 +20,14 @@ import time
 from typing import Any
 
 from objfs.errors import DaemonNotAnsweringError, NotMountedError
-from objfs.metrics import STATUS_INTERVAL_S, find_status_files, pid_gone
 from objfs.mountinfo import _mountinfo_record, mount_entry
+from objfs.status_files import STATUS_INTERVAL_S, find_status_files, pid_gone
 
 #: A status file older than this means the daemon no longer runs its loop.
 DEFAULT_MAX_AGE_S = 10.0
+#: ``objfs sidecar --fd-dir``'s status file, in its state dir, and the kind it declares.
+STATUS_FILE = ".objfs-sidecar.json"
+STATUS_KIND = "fd-sidecar"
 
 
 def _resolve(path: str) -> str:
@@ -95,8 +98,6 @@ def read_status(path: str, *, max_age_s: float = DEFAULT_MAX_AGE_S) -> dict[str,
     entry = mount_entry(mountpoint)
     if entry is None or not entry[0].startswith("fuse"):
         # The fd dir of `objfs sidecar --fd-dir` (an emptyDir, maybe tmpfs): its own file.
-        from objfs.sidecar_fd import read_fd_sidecar_status, state_status_file
-
         sidecar_file = state_status_file(mountpoint)
         if sidecar_file is not None:
             return read_fd_sidecar_status(path, sidecar_file, max_age_s)
@@ -166,8 +167,6 @@ def _rate(hits: int, misses: int) -> str:
 
 def format_status(s: dict[str, Any]) -> str:
     """A few aligned lines for a person."""
-    from objfs.sidecar_fd import STATUS_KIND, format_fd_sidecar_status
-
     if s.get("kind") == STATUS_KIND:
         return format_fd_sidecar_status(s)
     store, memory, disk = s["store"], s["memory"], s.get("disk")
@@ -246,4 +245,65 @@ def format_status(s: dict[str, Any]) -> str:
         )
     if s.get("metrics_addr"):
         lines.append(f"  metrics       http://{s['metrics_addr']}/metrics")
+    return "\n".join(lines)
+
+
+# -- `objfs sidecar --fd-dir`'s status file (objfs.sidecar_fd writes it) -------------------
+
+
+def state_status_file(path: str) -> str | None:
+    """The sidecar's status file if ``path`` is its fd dir (or state dir), else None.
+
+    Only for a path that is not a FUSE mount: looking inside one could hang.
+    """
+    file = os.path.join(path, STATUS_FILE)
+    return file if os.path.isfile(file) else None
+
+
+def read_fd_sidecar_status(path: str, status_file: str, max_age_s: float) -> dict[str, Any]:
+    """``objfs status DIR`` for an fd dir: the sidecar's figures.
+
+    Raises DaemonNotAnsweringError (18) if the sidecar is gone or silent for ``max_age_s``,
+    or if a volume offered to it is not served (``--probe`` fails until every one serves).
+    """
+    try:
+        with open(status_file, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise DaemonNotAnsweringError(f"cannot read {status_file}: {exc}") from None
+    if not isinstance(data, dict) or data.get("kind") != STATUS_KIND:
+        raise DaemonNotAnsweringError(f"{status_file} is not an objfs sidecar's status file")
+    pid = int(data.get("pid", 0))
+    if pid <= 0 or pid_gone(pid):
+        raise DaemonNotAnsweringError(f"the objfs sidecar serving {path} (pid {pid}) is gone")
+    age = time.time() - float(data.get("updated_at", 0))
+    if age > max_age_s:
+        raise DaemonNotAnsweringError(
+            f"the objfs sidecar serving {path} (pid {pid}) has not reported for {age:.0f} s: "
+            "it hangs or is stopped"
+        )
+    if not data.get("ready"):
+        pending = [
+            f"{name} ({v.get('state')}" + (f": {v['error']}" if v.get("error") else "") + ")"
+            for name, v in sorted(dict(data.get("volumes", {})).items())
+            if v.get("state") not in ("serving", "idle")
+        ]
+        raise DaemonNotAnsweringError(
+            f"the objfs sidecar in {path} does not serve every volume yet: "
+            + (", ".join(pending) or "starting")
+        )
+    return data
+
+
+def format_fd_sidecar_status(s: dict[str, Any]) -> str:
+    lines = [f"{s['fd_dir']}: objfs sidecar, pid {s['pid']}, {len(s['volumes'])} volumes"]
+    for name, v in sorted(s["volumes"].items()):
+        line = f"  {name:<20} {v.get('state')}"
+        if v.get("source"):
+            line += f"  {v['source']}"
+        if v.get("pid"):
+            line += f"  (pid {v['pid']})"
+        if v.get("error"):
+            line += f"  {v['error']}"
+        lines.append(line)
     return "\n".join(lines)

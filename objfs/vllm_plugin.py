@@ -26,13 +26,8 @@ import time
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
-from objfs.torch_io import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_PREFETCH_BYTES,
-    INDEX_NAME,
-    iter_safetensors,
-    resolve_safetensors_files,
-)
+from objfs.safetensors_header import INDEX_NAME, resolve_safetensors_files
+from objfs.torch_io import DEFAULT_BUFFER_BYTES, DEFAULT_PREFETCH_BYTES, iter_safetensors
 
 if TYPE_CHECKING:
     import torch

@@ -27,7 +27,7 @@ import pytest
 
 from objfs.config import MountConfig
 from objfs.demo import LocalServer, s3_client, start_moto_server
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 from tests.helpers.proxy import Proxy
 
 # Credentials for the local test servers only. Never read the developer's AWS config.
@@ -163,7 +163,7 @@ def run_mount(
 
 
 # The FUSE transport of the mounts tests make: OBJFS_TEST_FUSE_TRANSPORT adds it to every
-# mount command; else $OBJFS_FUSE_TRANSPORT or the default applies (see objfs.cli).
+# mount command; else $OBJFS_FUSE_TRANSPORT or the default applies (see objfs.options).
 TRANSPORT = os.environ.get("OBJFS_TEST_FUSE_TRANSPORT", "")
 EFFECTIVE_TRANSPORT = (
     TRANSPORT or os.environ.get("OBJFS_FUSE_TRANSPORT") or MountConfig.fuse_transport

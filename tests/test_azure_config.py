@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 from azure.core.credentials import AzureNamedKeyCredential, AzureSasCredential
 
-from objfs.backends.azure import NO_IDENTITY_ENV, _is_folder, resolve_credentials
+from objfs.backends.azure import _is_folder
+from objfs.backends.azure_auth import NO_IDENTITY_ENV, resolve_credentials
 from objfs.config import AzureOptions, Source, parse_source
 from objfs.errors import SourceFormatError, UsageError
 

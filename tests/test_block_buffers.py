@@ -27,7 +27,8 @@ from objfs.backends.memory import MemoryBackend
 from objfs.block_cache import Block, BlockCache, BlockKey, Buffer, BufferPool, Reservation
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
-from objfs.fs import ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 from tests.test_read_path import config as read_path_config
 from tests.test_read_path import disk_cache
 
@@ -190,7 +191,7 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
     not cached, then fetched again and written once the mount has been idle for
     BACKFILL_IDLE_S, so the disk tier ends complete and a new mount reads the file without
     one GET. Nothing is fetched again while a reader is active."""
-    from objfs import scheduler
+    from objfs import write_behind
 
     data = os.urandom(24 * MiB)
     backend = MemoryBackend(latency_s=0.001)
@@ -216,7 +217,7 @@ async def test_blocks_the_disk_lost_during_a_load_are_backfilled_when_idle(
         fh, _ = await fs.open(node.inode, os.O_RDONLY)
         for _ in range(4):
             await fs.read(fh, 0, 4096)
-            await trio.sleep(scheduler.BACKFILL_IDLE_S / 2)
+            await trio.sleep(write_behind.BACKFILL_IDLE_S / 2)
         assert fs.statistics()["disk_blocks_backfilled"] == 0
         fs.release(fh)
         etag = (await backend.head("p/model.bin")).etag

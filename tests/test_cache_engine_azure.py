@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from objfs.cli import _mount_config, build_parser
+from objfs.options import build_parser, mount_config
 from tests.azurite import DEV_ACCOUNT, DEV_KEY, put_blobs
 from tests.conftest import Mount, load_at_once, run_objfs, sha256
 from tests.helpers.known_secrets import remember
@@ -140,7 +140,7 @@ def test_an_azure_source_takes_the_cache_proxy_options() -> None:
             "600",
         ]
     )
-    config = _mount_config(args)
+    config = mount_config(args)
     assert config.azure.cache_proxy == "http://cache:8080"
     assert config.azure.cache_proxy_url_lifetime_s == 600
     # Declared once (CacheProxyOptions), parsed once, the same for both stores.
@@ -172,9 +172,9 @@ def test_the_command_checks_the_cache_proxy_options_of_an_azure_source(
 
 
 def _signer(credential: Any) -> Any:
-    from objfs.backends.azure import Credentials, _Signer
+    from objfs.backends.azure_auth import Credentials, Signer
 
-    return _Signer(Credentials("http://127.0.0.1:1/acct", "acct", credential, "test"))
+    return Signer(Credentials("http://127.0.0.1:1/acct", "acct", credential, "test"))
 
 
 def _fields(sas: str) -> dict[str, str]:

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from objfs.backends.memory import SyntheticData
-from objfs.mount import _mount_devnum
+from objfs.kernel_setup import _mount_devnum
 from tests.conftest import Mount, cached_mount_command, put_many, run_mount, sha256
 from tests.helpers.deploy import wait_for
 from tests.helpers.proxy import Proxy

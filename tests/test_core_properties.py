@@ -48,7 +48,8 @@ from objfs.backends.memory import MemoryBackend
 from objfs.config import MountConfig, S3Options, parse_source
 from objfs.disk_cache import DiskCache
 from objfs.errors import ObjfsError, TransientStoreError
-from objfs.fs import ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 
 T = TypeVar("T")
 KiB = 1024
@@ -385,7 +386,7 @@ class Model:
 
     def in_outage(self) -> bool:
         """Whether objfs counts the store as unreachable now (an earlier call failed)."""
-        return self.fs._outage_since is not None
+        return self.fs.availability.outage_since is not None
 
     async def close_all(self) -> None:
         """Let the work in flight end (the readers, read-ahead), then close every handle."""

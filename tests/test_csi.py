@@ -31,7 +31,7 @@ import pytest
 
 from objfs import fdpass
 from objfs.csi import DRIVER_NAME, proto
-from objfs.csi.node import socket_name
+from objfs.csi.offers import socket_name
 from objfs.csi.volume import POD_UID_KEY, VolumeContextError, parse_volume_context
 from objfs.demo import LocalServer
 from objfs.mountinfo import _unescape_mountinfo
@@ -515,9 +515,9 @@ def test_bad_volume_context_is_refused(context: dict[str, str], message: str) ->
 def test_an_unset_memory_limit_is_left_to_the_sidecar(monkeypatch: pytest.MonkeyPatch) -> None:
     """The default memory limit is a share of the sidecar's memory, not the node plugin's: a
     node plugin in a small container must not refuse a part size the sidecar would accept."""
-    import objfs.cli
+    import objfs.options
 
-    monkeypatch.setattr(objfs.cli, "default_memory_limit", lambda: 64 << 20)
+    monkeypatch.setattr(objfs.options, "default_memory_limit", lambda: 64 << 20)
     target = "/k/pods/x/volumes/kubernetes.io~csi/m/mount"
     spec = parse_volume_context({**POD, "source": "s3://bucket-a", "part-size": "64M"}, target)
     assert spec.options == {"part-size": "64M"}  # no memory-limit passed on to the sidecar
@@ -1149,7 +1149,7 @@ def test_a_pod_looping_on_its_offer_socket_gets_a_burst_of_replacements_then_non
     the first connection takes the published mount, the next REPLACE_BURST get replacements
     and the rest are closed without an offer (no token comes back within the test: one per
     hour), with one warning."""
-    from objfs.csi.node import REPLACE_BURST
+    from objfs.csi.publication import REPLACE_BURST
 
     start_with_replace_interval(plugin, monkeypatch, "3600")
     pod = plugin.pod()
@@ -1169,7 +1169,7 @@ def test_replacements_stop_at_the_cap_however_slowly_they_come(
     """A sidecar that keeps dying (OOM-killed at every start) gets replacements at the rate
     the bucket allows, but never more than MAX_REPLACEMENTS stacked on the target: here the
     bucket refills between any two connections (a token per microsecond)."""
-    from objfs.csi.node import MAX_REPLACEMENTS
+    from objfs.csi.publication import MAX_REPLACEMENTS
 
     start_with_replace_interval(plugin, monkeypatch, "0.000001")
     pod = plugin.pod()
@@ -1215,7 +1215,8 @@ def test_unpublish_fails_while_objfs_mounts_remain_past_max_stacked(
     """More objfs mounts stacked than one unpublish detaches (MAX_STACKED, lowered here to 2):
     FAILED_PRECONDITION with the mounts left, not OK; the next call removes the rest."""
     from objfs.csi import fusemount
-    from objfs.csi.node import CsiError, Node
+    from objfs.csi.node import Node
+    from objfs.csi.publication import CsiError
 
     base = Path(tempfile.mkdtemp(prefix="objfs-csi-", dir="/tmp"))
     target = base / "kubelet" / "pods" / "p" / "volumes" / "kubernetes.io~csi" / "v" / "mount"

@@ -27,9 +27,8 @@ from typing import Any
 import pytest
 import xxhash
 
-from objfs import disk_cache
 from objfs.block_cache import BlockKey
-from objfs.disk_cache import DiskCache, cached_blocks
+from objfs.disk_cache import DiskCache, cached_blocks, layout, space, versions
 from objfs.errors import UsageError
 
 BS = 64 * 1024
@@ -216,10 +215,10 @@ def test_hash_of_every_kind_of_buffer() -> None:
         memoryview(buf).cast("B", (1000, 100)),  # two dimensions
     ]
     for kind in kinds:
-        assert disk_cache._hash(kind) == expected
-    assert disk_cache._hash(memoryview(buf)[10:-10]) == xxhash.xxh3_64_intdigest(data[10:-10])
-    assert disk_cache._hash(memoryview(buf)[::3]) == xxhash.xxh3_64_intdigest(data[::3])
-    assert disk_cache._hash(b"") == xxhash.xxh3_64_intdigest(b"")
+        assert layout.block_hash(kind) == expected
+    assert layout.block_hash(memoryview(buf)[10:-10]) == xxhash.xxh3_64_intdigest(data[10:-10])
+    assert layout.block_hash(memoryview(buf)[::3]) == xxhash.xxh3_64_intdigest(data[::3])
+    assert layout.block_hash(b"") == xxhash.xxh3_64_intdigest(b"")
 
 
 def test_table_layout(tmp_path: Path) -> None:
@@ -277,7 +276,7 @@ def test_a_hole_is_a_miss_and_never_checked(
     with open(where.index_path, "rb") as f:
         f.seek(where.entry_offset)
         assert f.read(16) == bytes(16)
-    monkeypatch.setattr(disk_cache, "_entry_check", lambda index, length, data_hash: 0)
+    monkeypatch.setattr(layout, "entry_check", lambda index, length, data_hash: 0)
     caplog.set_level(logging.WARNING, logger="objfs.disk_cache")
     fresh = make_cache(tmp_path / "c")
     assert fresh.read_blocks("k", "e", [1], [BS]) == {}
@@ -540,8 +539,9 @@ def test_writes_scan_no_directory_and_check_free_space_rarely(
     """No periodic scan: writing under the cap lists and stats nothing; statvfs runs once per
     _SPACE_CHECK_BYTES written (or per second), not per write."""
     clock = [1000.0]
-    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
-    monkeypatch.setattr(disk_cache, "_SPACE_CHECK_BYTES", 16 * BS)
+    for module in (space, versions):  # their clocks
+        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(space, "_SPACE_CHECK_BYTES", 16 * BS)
     cache = make_cache(tmp_path / "c", min_free_bytes=1)
     for i in range(10):  # creates the versions' files (and subdirectories: os.makedirs stats)
         cache.write_blocks(f"k{i}", "e", 0, [block(f"k{i}", 0)])
@@ -564,7 +564,8 @@ def test_a_low_disk_evicts_and_pauses_writes(
 ) -> None:
     caplog.set_level(logging.INFO, logger="objfs.disk_cache")
     clock = [1000.0]
-    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
+    for module in (space, versions):  # their clocks
+        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
     cache = make_cache(tmp_path / "c", min_free_bytes=1)
     for i in range(4):
         cache.write(BlockKey(f"k{i}", "e", 0), block(f"k{i}", 0))
@@ -622,7 +623,7 @@ def test_hits_touch_the_mtime_at_most_once_a_minute(
 def test_descriptors_stay_open_for_recent_versions_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(disk_cache, "_OPEN_VERSIONS", 4)
+    monkeypatch.setattr(versions, "_OPEN_VERSIONS", 4)
     cache = make_cache(tmp_path / "c")
     before = len(os.listdir("/proc/self/fd"))
     for i in range(10):
@@ -867,7 +868,7 @@ def test_threads_churning_descriptors_and_evicting_never_see_a_closed_descriptor
     """Few open versions and a small cap: descriptors are dropped and versions evicted while
     other threads use them; every read is right or a miss and no I/O hits a closed or reused
     descriptor (which would count as an error)."""
-    monkeypatch.setattr(disk_cache, "_OPEN_VERSIONS", 2)
+    monkeypatch.setattr(versions, "_OPEN_VERSIONS", 2)
     cache = make_cache(tmp_path / "c", size_limit_bytes=24 * (BS + 8192))
     wrong: list[str] = []
 
@@ -900,7 +901,8 @@ def test_a_version_removed_by_another_process_is_never_served_wrong(
     """Another process evicts a version this one has open: reads are right or miss, and
     within a second the files are opened afresh (so writes land where others see them)."""
     clock = [1000.0]
-    monkeypatch.setattr(disk_cache, "_monotonic", lambda: clock[0])
+    for module in (space, versions):  # their clocks
+        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
     a, b = make_cache(tmp_path / "c"), make_cache(tmp_path / "c")
     a.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
     assert b.read(BlockKey("k", "e", 0), BS) == block("k", 0)

@@ -1,4 +1,4 @@
-"""The write-behind's disk writers (``Fetcher._disk_writer``): every idle writer wakes.
+"""The write-behind's disk writers (``WriteBehind._disk_writer``): every idle writer wakes.
 
 Checked on the FUSE-free core (``FileSystem`` over the memory backend) with a disk tier whose
 ``write_blocks`` blocks until released: a cold read queues several runs for the disk, and as
@@ -16,7 +16,7 @@ import trio
 
 from objfs.backends.memory import SyntheticData
 from objfs.fs import FileSystem
-from objfs.scheduler import DISK_WRITE_THREADS
+from objfs.write_behind import DISK_WRITE_THREADS
 from tests.test_memory_ownership import KeyedBackend, make_config, make_disk, open_file
 
 MiB = 1024 * 1024
@@ -61,7 +61,7 @@ async def test_every_idle_disk_writer_takes_a_queued_run(
         peak = state["peak"]
     finally:
         release.set()
-    await fs.fetcher.flush_disk_writes()
+    await fs.fetcher.writes.flush_disk_writes()
     fs.release(fh)
     assert queued > 2 * 8 * MiB, queued  # runs were waiting for a writer
     assert peak == DISK_WRITE_THREADS, f"{peak} concurrent disk writes, {queued} bytes queued"

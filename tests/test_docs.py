@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from objfs.cli import build_parser
+from objfs.options import build_parser
 
 REPO = Path(__file__).resolve().parents[1]
 USER_DOCS = ["README.md", "k8s/README.md", "systemd/README.md"]

@@ -19,9 +19,9 @@ import pytest
 import yaml
 
 from objfs.cache_engine import parse_engine_url
-from objfs.cli import _mount_config, build_parser
 from objfs.config import MountConfig, parse_size
 from objfs.errors import ObjfsError
+from objfs.options import build_parser, mount_config
 from objfs.sidecar import FLAG_OPTIONS, VALUE_OPTIONS, sidecar_command
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -140,7 +140,7 @@ def check_objfs_container(container: dict[str, Any]) -> tuple[str, dict[str, str
     assert set(env) <= SIDECAR_ENV | set(VALUE_OPTIONS) | set(FLAG_OPTIONS), set(env)
     source, mountpoint, options = sidecar_command(env)
     args = build_parser().parse_args(["mount", source, mountpoint, "--foreground", *options])
-    config = _mount_config(args)  # sizes, the metrics address, the source: all valid
+    config = mount_config(args)  # sizes, the metrics address, the source: all valid
     assert config.allow_other  # the model server may run as another user
     assert config.metrics_addr == f"0.0.0.0:{container['ports'][0]['containerPort']}"
     for probe in ("startupProbe", "livenessProbe"):
@@ -511,7 +511,7 @@ def check_volume_attributes(attributes: dict[str, str]) -> MountConfig:
         else:
             argv += [f"--{key}", value]
     args = build_parser().parse_args(["mount", attributes["source"], "/target", *argv])
-    return _mount_config(args)
+    return mount_config(args)
 
 
 def test_volume_attribute_check_refuses_mistakes() -> None:
@@ -861,7 +861,7 @@ def test_cache_engine_slice_is_objfs_part_size() -> None:
     slice_size = nginx_size(cache_env()["SLICE_SIZE"])
     assert slice_size == MountConfig.part_size_bytes
     args = build_parser().parse_args(["mount", "s3://bucket/prefix", "/mnt"])
-    assert slice_size == _mount_config(args).part_size_bytes
+    assert slice_size == mount_config(args).part_size_bytes
 
 
 def test_cache_engine_envsubst_fills_every_placeholder_and_nothing_else() -> None:

@@ -14,6 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from objfs.kernel import protocol as p
+from objfs.kernel import replies as rp
+from objfs.kernel import requests as rq
 
 
 def u16(v: int) -> bytes:
@@ -129,8 +131,8 @@ def test_versions_sizes_and_ioctl_numbers() -> None:
 
 def test_header() -> None:
     raw = request(15, read_in(1, 2, 3, 4, 5, 6), unique=(1 << 63) | 99, nodeid=1 << 40)
-    h = p.parse_header(raw)
-    assert h == p.InHeader(
+    h = rq.parse_header(raw)
+    assert h == rq.InHeader(
         length=80,
         opcode=15,
         unique=(1 << 63) | 99,
@@ -140,68 +142,68 @@ def test_header() -> None:
         pid=4242,
         total_extlen=0,
     )
-    assert p.parse(raw).header == h
-    assert p.parse(bytearray(raw)).header == h
-    assert p.parse(memoryview(raw)).header == h
+    assert rq.parse(raw).header == h
+    assert rq.parse(bytearray(raw)).header == h
+    assert rq.parse(memoryview(raw)).header == h
     # A view into a larger read buffer, as the session reads into one.
     big = bytearray(raw + bytes(100))
-    assert p.parse(memoryview(big)[:80]).header == h
+    assert rq.parse(memoryview(big)[:80]).header == h
 
 
-RECORDED: list[tuple[str, bytes, p.Args]] = [
-    ("lookup", request(1, b"config.json\0"), p.Lookup(b"config.json")),
-    ("lookup-utf8", request(1, "é\n".encode() + b"\0"), p.Lookup("é\n".encode())),
-    ("forget", request(2, u64(3)), p.Forget(3)),
+RECORDED: list[tuple[str, bytes, rq.Args]] = [
+    ("lookup", request(1, b"config.json\0"), rq.Lookup(b"config.json")),
+    ("lookup-utf8", request(1, "é\n".encode() + b"\0"), rq.Lookup("é\n".encode())),
+    ("forget", request(2, u64(3)), rq.Forget(3)),
     (
         "batch-forget",
         request(42, u32(2) + u32(0) + u64(10) + u64(1) + u64(11) + u64(1 << 40)),
-        p.BatchForget(((10, 1), (11, 1 << 40))),
+        rq.BatchForget(((10, 1), (11, 1 << 40))),
     ),
-    ("batch-forget-none", request(42, u32(0) + u32(0)), p.BatchForget(())),
-    ("getattr", request(3, u32(1) + u32(0) + u64(77)), p.GetAttr(flags=1, fh=77)),
-    ("open", request(14, u32(0o100000) + u32(1)), p.Open(flags=0o100000, open_flags=1)),
-    ("opendir", request(27, u32(0o200000) + u32(0)), p.Open(flags=0o200000, open_flags=0)),
+    ("batch-forget-none", request(42, u32(0) + u32(0)), rq.BatchForget(())),
+    ("getattr", request(3, u32(1) + u32(0) + u64(77)), rq.GetAttr(flags=1, fh=77)),
+    ("open", request(14, u32(0o100000) + u32(1)), rq.Open(flags=0o100000, open_flags=1)),
+    ("opendir", request(27, u32(0o200000) + u32(0)), rq.Open(flags=0o200000, open_flags=0)),
     (
         "read",
         request(15, read_in(5, 1 << 33, 131072, 2, 0xDEAD, 0o100000)),
-        p.Read(fh=5, offset=1 << 33, size=131072, read_flags=2, flags=0o100000),
+        rq.Read(fh=5, offset=1 << 33, size=131072, read_flags=2, flags=0o100000),
     ),
-    ("readdir", request(28, read_in(6, 3, 4096, 0, 0, 0)), p.Read(6, 3, 4096, 0, 0)),
-    ("readdirplus", request(44, read_in(6, 0, 8192, 0, 0, 0)), p.Read(6, 0, 8192, 0, 0)),
+    ("readdir", request(28, read_in(6, 3, 4096, 0, 0, 0)), rq.Read(6, 3, 4096, 0, 0)),
+    ("readdirplus", request(44, read_in(6, 0, 8192, 0, 0, 0)), rq.Read(6, 0, 8192, 0, 0)),
     (
         "release",
         request(18, u64(9) + u32(0o100000) + u32(1) + u64(0xBEEF)),
-        p.Release(fh=9, flags=0o100000, release_flags=1),
+        rq.Release(fh=9, flags=0o100000, release_flags=1),
     ),
-    ("releasedir", request(29, u64(8) + u32(0) + u32(0) + u64(0)), p.Release(8, 0, 0)),
-    ("flush", request(25, u64(9) + u32(0) + u32(0) + u64(0xBEEF)), p.Flush(9)),
-    ("fsync", request(20, u64(9) + u32(1) + u32(0)), p.Fsync(fh=9, fsync_flags=1)),
-    ("fsyncdir", request(30, u64(8) + u32(0) + u32(0)), p.Fsync(8, 0)),
-    ("interrupt", request(36, u64(0x1232), nodeid=0), p.Interrupt(0x1232)),
+    ("releasedir", request(29, u64(8) + u32(0) + u32(0) + u64(0)), rq.Release(8, 0, 0)),
+    ("flush", request(25, u64(9) + u32(0) + u32(0) + u64(0xBEEF)), rq.Flush(9)),
+    ("fsync", request(20, u64(9) + u32(1) + u32(0)), rq.Fsync(fh=9, fsync_flags=1)),
+    ("fsyncdir", request(30, u64(8) + u32(0) + u32(0)), rq.Fsync(8, 0)),
+    ("interrupt", request(36, u64(0x1232), nodeid=0), rq.Interrupt(0x1232)),
     (
         "getxattr",
         request(22, u32(256) + u32(0) + b"user.objfs.etag\0"),
-        p.GetXattr(size=256, name=b"user.objfs.etag"),
+        rq.GetXattr(size=256, name=b"user.objfs.etag"),
     ),
-    ("listxattr", request(23, u32(0) + u32(0)), p.ListXattr(0)),
-    ("access", request(34, u32(4) + u32(0)), p.Access(4)),
-    ("lseek", request(46, u64(5) + u64(4096) + u32(3) + u32(0)), p.Lseek(5, 4096, 3)),
-    ("statfs", request(17), p.Empty()),
-    ("destroy", request(38, nodeid=0), p.Empty()),
-    ("readlink", request(5), p.Empty()),
-    ("mkdir", request(9, u32(0o755) + u32(0o22) + b"new\0"), p.Empty()),
-    ("write", request(16, bytes(40) + b"data"), p.Empty()),
-    ("statx", request(52, bytes(24)), p.Empty()),
-    ("unknown", request(9999, b"whatever"), p.Empty()),
-    ("unknown-empty", request(0), p.Empty()),
+    ("listxattr", request(23, u32(0) + u32(0)), rq.ListXattr(0)),
+    ("access", request(34, u32(4) + u32(0)), rq.Access(4)),
+    ("lseek", request(46, u64(5) + u64(4096) + u32(3) + u32(0)), rq.Lseek(5, 4096, 3)),
+    ("statfs", request(17), rq.Empty()),
+    ("destroy", request(38, nodeid=0), rq.Empty()),
+    ("readlink", request(5), rq.Empty()),
+    ("mkdir", request(9, u32(0o755) + u32(0o22) + b"new\0"), rq.Empty()),
+    ("write", request(16, bytes(40) + b"data"), rq.Empty()),
+    ("statx", request(52, bytes(24)), rq.Empty()),
+    ("unknown", request(9999, b"whatever"), rq.Empty()),
+    ("unknown-empty", request(0), rq.Empty()),
 ]
 
 
 @pytest.mark.parametrize(
     ("raw", "args"), [(raw, args) for _, raw, args in RECORDED], ids=[n for n, _, _ in RECORDED]
 )
-def test_recorded_requests_parse(raw: bytes, args: p.Args) -> None:
-    req = p.parse(raw)
+def test_recorded_requests_parse(raw: bytes, args: rq.Args) -> None:
+    req = rq.parse(raw)
     assert req.args == args
     assert type(req.args) is type(args)
     assert req.header.length == len(raw)
@@ -210,34 +212,34 @@ def test_recorded_requests_parse(raw: bytes, args: p.Args) -> None:
 def test_init_in_the_64_byte_form() -> None:
     flags = (1 << 0) | (1 << 13) | (1 << 30)  # ASYNC_READ | DO_READDIRPLUS | INIT_EXT
     flags2 = (1 << (37 - 32)) | (1 << (41 - 32))  # PASSTHROUGH | OVER_IO_URING
-    req = p.parse(request(26, init_in_64(7, 45, 131072, flags, flags2), nodeid=0))
+    req = rq.parse(request(26, init_in_64(7, 45, 131072, flags, flags2), nodeid=0))
     assert req.header.opcode == p.Opcode.INIT
-    assert req.args == p.Init(major=7, minor=45, max_readahead=131072, flags=flags | flags2 << 32)
-    assert isinstance(req.args, p.Init)
+    assert req.args == rq.Init(major=7, minor=45, max_readahead=131072, flags=flags | flags2 << 32)
+    assert isinstance(req.args, rq.Init)
     assert req.args.flags & p.PASSTHROUGH
     assert req.args.flags & p.OVER_IO_URING
     assert req.args.flags & p.DO_READDIRPLUS
 
 
 def test_init_flags2_counts_only_with_init_ext() -> None:
-    req = p.parse(request(26, init_in_64(7, 45, 4096, 1, 0xFFFF_FFFF)))
-    assert req.args == p.Init(7, 45, 4096, 1)
+    req = rq.parse(request(26, init_in_64(7, 45, 4096, 1, 0xFFFF_FFFF)))
+    assert req.args == rq.Init(7, 45, 4096, 1)
 
 
 def test_init_in_the_old_16_byte_form() -> None:
     body = u32(7) + u32(31) + u32(65536) + u32(0xFFFF_FFFF)
-    req = p.parse(request(26, body, nodeid=0))
-    assert req.args == p.Init(major=7, minor=31, max_readahead=65536, flags=0xFFFF_FFFF)
+    req = rq.parse(request(26, body, nodeid=0))
+    assert req.args == rq.Init(major=7, minor=31, max_readahead=65536, flags=0xFFFF_FFFF)
 
 
 def test_extensions_after_the_arguments_are_skipped() -> None:
     ext = u32(16) + u32(32) + u32(1) + u32(1000)  # fuse_ext_header + fuse_supp_groups
-    req = p.parse(request(1, b"x\0" + bytes(6) + ext, extlen=2))
-    assert req.args == p.Lookup(b"x")
+    req = rq.parse(request(1, b"x\0" + bytes(6) + ext, extlen=2))
+    assert req.args == rq.Lookup(b"x")
     assert req.header.total_extlen == 2
     # The name must end before the extensions do.
-    with pytest.raises(p.ProtocolError):
-        p.parse(request(1, b"xyzabcde" + b"\0" + bytes(7), extlen=1))
+    with pytest.raises(rq.ProtocolError):
+        rq.parse(request(1, b"xyzabcde" + b"\0" + bytes(7), extlen=1))
 
 
 # -- malformed requests -------------------------------------------------------------------------
@@ -269,29 +271,29 @@ def test_extensions_after_the_arguments_are_skipped() -> None:
     ids=lambda raw: raw[:48].hex(),
 )
 def test_malformed_requests_raise_protocol_error(raw: bytes) -> None:
-    with pytest.raises(p.ProtocolError) as info:
-        p.parse(raw)
+    with pytest.raises(rq.ProtocolError) as info:
+        rq.parse(raw)
     assert "\n" not in str(info.value)
 
 
 @pytest.mark.parametrize(
     ("name", "raw"),
-    [(n, raw) for n, raw, args in RECORDED if not isinstance(args, (p.Empty, p.BatchForget))],
-    ids=[n for n, _, args in RECORDED if not isinstance(args, (p.Empty, p.BatchForget))],
+    [(n, raw) for n, raw, args in RECORDED if not isinstance(args, (rq.Empty, rq.BatchForget))],
+    ids=[n for n, _, args in RECORDED if not isinstance(args, (rq.Empty, rq.BatchForget))],
 )
 def test_every_truncated_argument_raises_protocol_error(name: str, raw: bytes) -> None:
     for cut in range(1, len(raw) - 40 + 1):
         short = bytearray(raw[:-cut])
         short[0:4] = u32(len(short))
-        with pytest.raises(p.ProtocolError):
-            p.parse(bytes(short))
+        with pytest.raises(rq.ProtocolError):
+            rq.parse(bytes(short))
 
 
 def test_short_buffer_header() -> None:
-    with pytest.raises(p.ProtocolError):
-        p.parse_header(request(17)[:-1])
-    with pytest.raises(p.ProtocolError):
-        p.parse_header(request(17) + b"\0")
+    with pytest.raises(rq.ProtocolError):
+        rq.parse_header(request(17)[:-1])
+    with pytest.raises(rq.ProtocolError):
+        rq.parse_header(request(17) + b"\0")
 
 
 # -- any bytes: only ProtocolError --------------------------------------------------------------
@@ -303,8 +305,8 @@ ANY_OPCODE = st.one_of(KNOWN_OPCODES, st.integers(0, 0xFFFF_FFFF))
 def _parse_or_protocol_error(raw: bytes | bytearray | memoryview) -> None:
     message = None
     try:
-        req = p.parse(raw)
-    except p.ProtocolError as exc:
+        req = rq.parse(raw)
+    except rq.ProtocolError as exc:
         message = str(exc)
     if message is None:
         assert req.header.length == len(raw)
@@ -348,12 +350,12 @@ def test_read_round_trips(
     opcode: int, fh: int, offset: int, size: int, read_flags: int, flags: int, extra: bytes
 ) -> None:
     raw = request(opcode, read_in(fh, offset, size, read_flags, 0, flags) + extra)
-    assert p.parse(raw).args == p.Read(fh, offset, size, read_flags, flags)
+    assert rq.parse(raw).args == rq.Read(fh, offset, size, read_flags, flags)
 
 
 # -- replies ------------------------------------------------------------------------------------
 
-ATTR = p.Attr(
+ATTR = rp.Attr(
     ino=42,
     size=9 * 2**20 + 123,
     blocks=(9 * 2**20 + 123 + 511) // 512,
@@ -381,7 +383,7 @@ def decode_attr(raw: bytes) -> dict[str, int]:
 
 
 def test_attr_bytes() -> None:
-    assert decode_attr(p.attr_bytes(ATTR)) == {
+    assert decode_attr(rp.attr_bytes(ATTR)) == {
         "ino": 42, "size": 9 * 2**20 + 123, "blocks": ATTR.blocks,
         "atime": 1_700_000_000, "mtime": 1_700_000_000, "ctime": 1_700_000_000,
         "atimensec": 123_456_789, "mtimensec": 123_456_789, "ctimensec": 123_456_789,
@@ -391,25 +393,25 @@ def test_attr_bytes() -> None:
 
 
 def test_attr_before_the_epoch() -> None:
-    a = decode_attr(p.attr_bytes(p.Attr(1, 0, 0, -1_500_000_000, 0o40755, 2, 0, 0, 4096)))
+    a = decode_attr(rp.attr_bytes(rp.Attr(1, 0, 0, -1_500_000_000, 0o40755, 2, 0, 0, 4096)))
     assert (a["mtime"], a["mtimensec"]) == (-2, 500_000_000)
 
 
 def test_entry_out() -> None:
-    raw = p.entry_out(42, ATTR, 1.5, 0.25, generation=3)
+    raw = rp.entry_out(42, ATTR, 1.5, 0.25, generation=3)
     assert len(raw) == 128
     nodeid, gen, ev, av, evn, avn = struct.unpack_from("<QQQQII", raw)
     assert (nodeid, gen, ev, evn, av, avn) == (42, 3, 1, 500_000_000, 0, 250_000_000)
-    assert raw[40:] == p.attr_bytes(ATTR)
+    assert raw[40:] == rp.attr_bytes(ATTR)
 
 
 def test_entry_out_negative_entry() -> None:
-    raw = p.entry_out(0, None, 30.0, 30.0)
+    raw = rp.entry_out(0, None, 30.0, 30.0)
     assert len(raw) == 128
     assert struct.unpack_from("<QQQQII", raw) == (0, 0, 30, 30, 0, 0)
     assert raw[40:] == bytes(88)
     with pytest.raises(ValueError, match="without"):
-        p.entry_out(5, None, 1.0, 1.0)
+        rp.entry_out(5, None, 1.0, 1.0)
 
 
 @pytest.mark.parametrize(
@@ -426,24 +428,24 @@ def test_entry_out_negative_entry() -> None:
     ],
 )
 def test_timeouts_split_into_seconds_and_nanoseconds(valid_s: float, sec: int, nsec: int) -> None:
-    raw = p.attr_out(ATTR, valid_s)
+    raw = rp.attr_out(ATTR, valid_s)
     assert len(raw) == 104
     assert struct.unpack_from("<QII", raw) == (sec, nsec, 0)
-    assert raw[16:] == p.attr_bytes(ATTR)
+    assert raw[16:] == rp.attr_bytes(ATTR)
 
 
 def test_open_out() -> None:
-    raw = p.open_out(77, p.FOPEN_KEEP_CACHE)
+    raw = rp.open_out(77, p.FOPEN_KEEP_CACHE)
     assert raw == u64(77) + u32(2) + u32(0)
-    raw = p.open_out(78, p.FOPEN_PASSTHROUGH, backing_id=5)
+    raw = rp.open_out(78, p.FOPEN_PASSTHROUGH, backing_id=5)
     assert raw == u64(78) + u32(0x80) + struct.pack("<i", 5)
-    assert len(p.open_out(1, 0, -1)) == 16
+    assert len(rp.open_out(1, 0, -1)) == 16
 
 
 def test_init_out_round_trips_flags_into_flags_and_flags2() -> None:
     flags = p.ASYNC_READ | p.DO_READDIRPLUS | p.MAX_PAGES | p.INIT_EXT
     flags |= p.PASSTHROUGH | p.OVER_IO_URING | p.REQUEST_TIMEOUT
-    raw = p.init_out(
+    raw = rp.init_out(
         minor=44,
         max_readahead=131072,
         flags=flags,
@@ -489,7 +491,7 @@ def test_init_out_round_trips_flags_into_flags_and_flags2() -> None:
 
 
 def test_statfs_out() -> None:
-    raw = p.statfs_out(
+    raw = rp.statfs_out(
         blocks=1, bfree=2, bavail=3, files=4, ffree=5, bsize=4096, namelen=255, frsize=4096
     )
     assert len(raw) == 80
@@ -499,21 +501,21 @@ def test_statfs_out() -> None:
 
 
 def test_small_replies() -> None:
-    assert p.lseek_out(1 << 40) == u64(1 << 40)
-    assert p.getxattr_size_out(33) == u32(33) + u32(0)
+    assert rp.lseek_out(1 << 40) == u64(1 << 40)
+    assert rp.getxattr_size_out(33) == u32(33) + u32(0)
     assert p.backing_map(9) == struct.pack("<i", 9) + u32(0) + u64(0)
 
 
 def test_reply_headers() -> None:
-    assert p.reply_error(0x55, 2) == u32(16) + struct.pack("<i", -2) + u64(0x55)
-    assert p.reply_error(1, 30) == u32(16) + struct.pack("<i", -30) + u64(1)
+    assert rp.reply_error(0x55, 2) == u32(16) + struct.pack("<i", -2) + u64(0x55)
+    assert rp.reply_error(1, 30) == u32(16) + struct.pack("<i", -30) + u64(1)
     for bad in (0, -2, 512):
         with pytest.raises(ValueError, match="errno"):
-            p.reply_error(1, bad)
-    assert p.reply(7) == u32(16) + u32(0) + u64(7)
-    assert p.reply(7, b"abc") == u32(19) + u32(0) + u64(7) + b"abc"
-    assert p.reply(7, memoryview(bytearray(b"xyz"))) == u32(19) + u32(0) + u64(7) + b"xyz"
-    assert p.out_header(2**64 - 1, 1 << 20) == u32(16 + (1 << 20)) + u32(0) + u64(2**64 - 1)
+            rp.reply_error(1, bad)
+    assert rp.reply(7) == u32(16) + u32(0) + u64(7)
+    assert rp.reply(7, b"abc") == u32(19) + u32(0) + u64(7) + b"abc"
+    assert rp.reply(7, memoryview(bytearray(b"xyz"))) == u32(19) + u32(0) + u64(7) + b"xyz"
+    assert rp.out_header(2**64 - 1, 1 << 20) == u32(16 + (1 << 20)) + u32(0) + u64(2**64 - 1)
 
 
 # -- directory entries --------------------------------------------------------------------------
@@ -523,9 +525,9 @@ def test_reply_headers() -> None:
 def test_dirent_alignment(n: int) -> None:
     name = b"n" * n
     buf = bytearray(b"prefix!!")
-    p.pack_dirent(buf, 42, 7, 8, name)
+    rp.pack_dirent(buf, 42, 7, 8, name)
     size = len(buf) - 8
-    assert size == p.dirent_size(name)
+    assert size == rp.dirent_size(name)
     assert size % 8 == 0
     assert 24 + n <= size < 24 + n + 8
     ino, off, namelen, dtype = struct.unpack_from("<QQII", buf, 8)
@@ -537,11 +539,11 @@ def test_dirent_alignment(n: int) -> None:
 @pytest.mark.parametrize("n", range(1, 20))
 def test_direntplus_alignment(n: int) -> None:
     name = bytes(range(65, 65 + n))
-    entry = p.entry_out(42, ATTR, 1.0, 1.0)
+    entry = rp.entry_out(42, ATTR, 1.0, 1.0)
     buf = bytearray()
-    p.pack_direntplus(buf, entry, 42, 1, 4, name)
-    p.pack_direntplus(buf, entry, 43, 2, 4, name)
-    one = p.dirent_size_plus(name)
+    rp.pack_direntplus(buf, entry, 42, 1, 4, name)
+    rp.pack_direntplus(buf, entry, 43, 2, 4, name)
+    one = rp.dirent_size_plus(name)
     assert one % 8 == 0
     assert 128 + 24 + n <= one < 128 + 24 + n + 8
     assert len(buf) == 2 * one
@@ -555,26 +557,26 @@ def test_direntplus_alignment(n: int) -> None:
 @pytest.mark.parametrize("name", [b"", b"a/b", b"a\0b"])
 def test_dirent_names_the_kernel_refuses(name: bytes) -> None:
     with pytest.raises(ValueError, match="name"):
-        p.pack_dirent(bytearray(), 1, 1, 8, name)
+        rp.pack_dirent(bytearray(), 1, 1, 8, name)
     with pytest.raises(ValueError, match="name"):
-        p.pack_direntplus(bytearray(), bytes(128), 1, 1, 8, name)
+        rp.pack_direntplus(bytearray(), bytes(128), 1, 1, 8, name)
 
 
 def test_direntplus_needs_a_whole_entry() -> None:
     with pytest.raises(ValueError, match="128"):
-        p.pack_direntplus(bytearray(), bytes(120), 1, 1, 8, b"x")
+        rp.pack_direntplus(bytearray(), bytes(120), 1, 1, 8, b"x")
 
 
 def test_every_builder_has_the_headers_size() -> None:
     sizes = {
-        "fuse_out_header": (len(p.out_header(1, 0)), 16),
-        "fuse_attr": (len(p.attr_bytes(ATTR)), 88),
-        "fuse_entry_out": (len(p.entry_out(1, ATTR, 1, 1)), 128),
-        "fuse_attr_out": (len(p.attr_out(ATTR, 1)), 104),
-        "fuse_open_out": (len(p.open_out(1, 0)), 16),
+        "fuse_out_header": (len(rp.out_header(1, 0)), 16),
+        "fuse_attr": (len(rp.attr_bytes(ATTR)), 88),
+        "fuse_entry_out": (len(rp.entry_out(1, ATTR, 1, 1)), 128),
+        "fuse_attr_out": (len(rp.attr_out(ATTR, 1)), 104),
+        "fuse_open_out": (len(rp.open_out(1, 0)), 16),
         "fuse_init_out": (
             len(
-                p.init_out(
+                rp.init_out(
                     minor=45,
                     max_readahead=0,
                     flags=0,
@@ -587,16 +589,16 @@ def test_every_builder_has_the_headers_size() -> None:
         ),
         "fuse_statfs_out": (
             len(
-                p.statfs_out(
+                rp.statfs_out(
                     blocks=0, bfree=0, bavail=0, files=0, ffree=0, bsize=0, namelen=0, frsize=0
                 )
             ),
             80,
         ),
-        "fuse_lseek_out": (len(p.lseek_out(0)), 8),
-        "fuse_getxattr_out": (len(p.getxattr_size_out(0)), 8),
+        "fuse_lseek_out": (len(rp.lseek_out(0)), 8),
+        "fuse_getxattr_out": (len(rp.getxattr_size_out(0)), 8),
         "fuse_backing_map": (len(p.backing_map(0)), 16),
-        "fuse_dirent (name 'a')": (p.dirent_size(b"a"), 32),
-        "fuse_direntplus (name 'a')": (p.dirent_size_plus(b"a"), 160),
+        "fuse_dirent (name 'a')": (rp.dirent_size(b"a"), 32),
+        "fuse_direntplus (name 'a')": (rp.dirent_size_plus(b"a"), 160),
     }
     assert {k: got for k, (got, _) in sizes.items()} == {k: want for k, (_, want) in sizes.items()}

@@ -22,7 +22,8 @@ import trio
 
 from objfs.backends.memory import MemoryBackend
 from objfs.config import MountConfig, parse_source
-from objfs.fs import ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 from objfs.kernel import protocol as p
 from objfs.kernel.session import KernelSession
 
@@ -102,7 +103,7 @@ async def test_a_read_is_written_by_a_writer_thread_and_its_holds_given_back(
     backend.put("p/w.bin", data)
     session = make_session(backend)
     token = trio.lowlevel.current_trio_token()
-    writer = threading.Thread(target=session._writer, args=(token,))
+    writer = threading.Thread(target=session._writers.run, args=(token,))
     writer.start()
     try:
         async with trio.open_nursery() as nursery:
@@ -139,7 +140,7 @@ async def test_a_read_is_written_by_a_writer_thread_and_its_holds_given_back(
             assert session.bytes_served == len(data)
             nursery.cancel_scope.cancel()
     finally:
-        session._replies.put(None)
+        session._writers.end_one()
         writer.join(timeout=5)
 
 
@@ -159,14 +160,14 @@ async def test_an_interrupt_cancels_the_request_it_names(pipe: tuple[int, int]) 
 def test_the_transport_comes_from_the_option_then_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from objfs.cli import _fuse_transport
     from objfs.errors import UsageError
+    from objfs.options import fuse_transport
 
     monkeypatch.delenv("OBJFS_FUSE_TRANSPORT", raising=False)
-    assert _fuse_transport(None) == MountConfig.fuse_transport
+    assert fuse_transport(None) == MountConfig.fuse_transport
     monkeypatch.setenv("OBJFS_FUSE_TRANSPORT", "pyfuse3")
-    assert _fuse_transport(None) == "pyfuse3"
-    assert _fuse_transport("kernel") == "kernel"  # the option wins
+    assert fuse_transport(None) == "pyfuse3"
+    assert fuse_transport("kernel") == "kernel"  # the option wins
     monkeypatch.setenv("OBJFS_FUSE_TRANSPORT", "libfuse")
     with pytest.raises(UsageError, match="OBJFS_FUSE_TRANSPORT: 'libfuse' is not a FUSE"):
-        _fuse_transport(None)
+        fuse_transport(None)

@@ -522,16 +522,16 @@ def test_unmount_while_reading(
         _end(holder, mountpoint, proc)
 
 
-# Runs `python -m objfs ...` with objfs.kernel.session seeing a non-root effective uid, so it
+# Runs `python -m objfs ...` with objfs.kernel.mounting seeing a non-root effective uid, so it
 # mounts through fusermount3 and unmounts with `fusermount3 -u`. (The interpreter here lives
 # under /root, which another user cannot run: the path is what this checks, not permissions.)
 AS_USER = """
 import os, runpy, sys, types
-import objfs.kernel.session as session
+import objfs.kernel.mounting as mounting
 fake = types.ModuleType("os")
 fake.__dict__.update(os.__dict__)
 fake.geteuid = lambda: 65534
-session.os = fake
+mounting.os = fake
 sys.argv = ["objfs", *sys.argv[1:]]
 runpy.run_module("objfs", run_name="__main__", alter_sys=True)
 """

@@ -13,11 +13,13 @@ import pytest
 import trio
 import trio.testing
 
+from objfs.availability import OUTAGE_RETRY_S
 from objfs.backends.base import ListPage
 from objfs.backends.memory import MemoryBackend
 from objfs.config import MountConfig, parse_source
 from objfs.errors import EndpointUnreachableError, ObjectNotFoundError, StaleObjectError
-from objfs.fs import OUTAGE_RETRY_S, ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 from tests.test_fs_core import resolve
 
 MiB = 1 << 20
@@ -34,7 +36,7 @@ class Clock:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr("objfs.fs.time.monotonic", fake)
+    monkeypatch.setattr("objfs.namespace.time.monotonic", fake)
     return fake
 
 

@@ -36,7 +36,8 @@ from objfs.backends.memory import MemoryBackend, SyntheticData
 from objfs.config import MountConfig, parse_source
 from objfs.disk_cache import DiskCache
 from objfs.errors import ObjfsError, StaleObjectError, TransientStoreError
-from objfs.fs import ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 
 MiB = 1024 * 1024
 KiB = 1024

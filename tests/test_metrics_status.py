@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from objfs.demo import LocalServer, free_port
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 from tests.conftest import mount_command, run_mount, sha256
 from tests.helpers.deploy import (
     objfs,
@@ -304,7 +304,7 @@ def _reaped_pid() -> int:
 def test_status_files_of_daemons_that_are_gone_are_removed(tmp_path: Path) -> None:
     """Only a status file both old and of a pid that no longer runs (or holding no pid) is
     removed, and old temporary files; anything else in the folder stays."""
-    from objfs.metrics import STALE_STATUS_S, remove_stale_status_files, status_file_name
+    from objfs.status_files import STALE_STATUS_S, remove_stale_status_files, status_file_name
 
     folder = tmp_path / "run"
     folder.mkdir()
@@ -344,7 +344,7 @@ def test_status_files_of_daemons_that_are_gone_are_removed(tmp_path: Path) -> No
 def test_a_mount_removes_the_status_files_of_daemons_that_are_gone(
     mount_s3: Any, s3: Any, bucket: str, runtime_env: dict[str, str]
 ) -> None:
-    from objfs.metrics import STALE_STATUS_S, status_file_name
+    from objfs.status_files import STALE_STATUS_S, status_file_name
 
     folder = Path(runtime_env["OBJFS_RUNTIME_DIR"])
     folder.mkdir()

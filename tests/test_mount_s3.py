@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from objfs.backends.memory import SyntheticData
-from objfs.mount import _mount_devnum
+from objfs.kernel_setup import _mount_devnum
 from objfs.mountinfo import mount_entry
 from tests.conftest import Mount, put_many, run_mount, run_objfs, sha256
 

@@ -18,8 +18,10 @@ import trio.testing
 from objfs.backends.memory import MemoryBackend
 from objfs.config import MountConfig, S3Options, parse_source
 from objfs.disk_cache import DiskCache, cached_blocks
-from objfs.fs import RANDOM_READ_ALIGN, ROOT_INODE, FileSystem
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 from objfs.readahead import FORWARD_TOLERANCE, Readahead
+from objfs.reads import RANDOM_READ_ALIGN
 
 MiB = 1024 * 1024
 

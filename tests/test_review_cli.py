@@ -33,8 +33,8 @@ import pytest
 from objfs.config import available_memory_bytes
 from objfs.credentials import CredentialWatch
 from objfs.demo import LocalServer
-from objfs.metrics import status_file_name
 from objfs.mountinfo import mount_entry
+from objfs.status_files import status_file_name
 from tests.conftest import mount_command, run_mount, run_objfs
 from tests.helpers.known_secrets import remember
 

@@ -41,7 +41,7 @@ GiB = 1 << 30
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
     fake = Clock()
-    monkeypatch.setattr("objfs.fs.time.monotonic", fake)
+    monkeypatch.setattr("objfs.namespace.time.monotonic", fake)
     return fake
 
 
@@ -151,7 +151,7 @@ def test_wrapping_backends_forward_every_backend_method() -> None:
     first page)."""
     from objfs.backends.account import AccountBackend
     from objfs.backends.base import Backend
-    from objfs.metrics import InstrumentedBackend
+    from objfs.store_metrics import InstrumentedBackend
 
     public = {name for name in vars(Backend) if not name.startswith("_")} - {"description"}
     for wrapper in (InstrumentedBackend, AccountBackend):

@@ -239,7 +239,7 @@ def test_sidecar_environment_to_options() -> None:
             "OBJFS_CACHE_DIR": "/cache",
             "OBJFS_MEMORY_LIMIT": "2G",
             "OBJFS_ALLOW_OTHER": "true",
-            "OBJFS_NO_SIGN_REQUEST": "0",
+            "OBJFS_NO_SIGN_REQUEST": "false",
             "OBJFS_METRICS_ADDR": "0.0.0.0:9101",
             "OBJFS_OPTIONS": "--region eu-west-1 --memory-limit 3G -f",
         }

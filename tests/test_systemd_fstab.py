@@ -109,7 +109,7 @@ def test_unit_settings_that_matter() -> None:
 
 
 def test_example_config_is_valid_objfs_options(tmp_path: Path) -> None:
-    from objfs.cli import _mount_config, build_parser
+    from objfs.options import build_parser, mount_config
 
     conf = dict(
         line.split("=", 1)
@@ -126,7 +126,7 @@ def test_example_config_is_valid_objfs_options(tmp_path: Path) -> None:
     args = build_parser().parse_args(
         ["mount", conf["OBJFS_SOURCE"], conf["OBJFS_MOUNTPOINT"], "--foreground", *options]
     )
-    config = _mount_config(args)
+    config = mount_config(args)
     assert config.source.url() == "s3://my-model-bucket/llama-3-8b-instruct/"
     assert config.metrics_addr == "127.0.0.1:9101"
     assert config.allow_other

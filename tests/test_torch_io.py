@@ -18,7 +18,7 @@ import pytest
 torch = pytest.importorskip("torch")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from objfs import torch_io, vllm_plugin  # noqa: E402  (after the importorskip guards)
+from objfs import torch_io, torch_pipeline, vllm_plugin  # noqa: E402  (after the importorskip guards)
 from objfs.torch_io import (  # noqa: E402
     iter_safetensors,
     load_safetensors,
@@ -584,17 +584,17 @@ def test_pinned_buffer_pipeline_with_fake_cuda(
         str(save(tmp_path / "a.safetensors", tensors)),
         str(save(tmp_path / "b.safetensors", {"b": random_tensor(torch.int8, (10001,), 3)})),
     ]
-    opened = torch_io._open_all(files)
+    opened = torch_pipeline.open_all(files)
     try:
-        items, segments = torch_io._plan([o.header for o in opened], buffer_bytes)
+        items, segments = torch_pipeline.plan([o.header for o in opened], buffer_bytes)
         pool = [
-            torch_io._Pinned(buf, buf.numpy().data, None)
+            torch_pipeline._Pinned(buf, buf.numpy().data, None)
             for buf in (torch.empty(buffer_bytes, dtype=torch.uint8) for _ in range(num_buffers))
         ]
         cpu = torch.device("cpu")
-        got = list(torch_io._iter_cuda(opened, items, segments, threads, cpu, pool))
+        got = list(torch_pipeline.iter_cuda(opened, items, segments, threads, cpu, pool))
     finally:
-        torch_io._close_all(opened)
+        torch_pipeline.close_all(opened)
     want = {**safetensors_torch.load_file(files[0]), **safetensors_torch.load_file(files[1])}
     assert [name for name, _ in got] == [e.name for f in files for e in read_header(f).tensors]
     assert_same(dict(got), want)

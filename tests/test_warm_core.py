@@ -4,7 +4,7 @@ The invariant it keeps: once ``warm`` returns, every block of the file's version
 tier (none lost to a write queue that could not keep up), the handle it read through is closed,
 and it holds no memory (no reservation left, the budget within 0..capacity). Checked with the
 memory backend, which answers at once, so the reader would outrun the disk writer's threads
-without the pacing (``Fetcher.disk_room``).
+without the pacing (``WriteBehind.disk_room``).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import trio
 
 from objfs.backends.memory import MemoryBackend, SyntheticData
 from objfs.errors import IsADirectoryFsError, NoDiskCacheError, TransientStoreError
-from objfs.fs import ROOT_INODE, FileSystem
-from objfs.scheduler import Fetcher
+from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
+from objfs.write_behind import WriteBehind
 from tests.test_memory_ownership import (
     KeyedBackend,
     check_budget,
@@ -95,14 +96,14 @@ async def test_blocks_lost_anyway_are_fetched_again_before_warm_returns(
     fetches them again (``store_lost_now``) before it returns, instead of leaving them to
     the idle-time backfill."""
 
-    disk_room = Fetcher.disk_room
+    disk_room = WriteBehind.disk_room
 
-    async def settled_only(self: Fetcher, *, settled: bool = False) -> None:
+    async def settled_only(self: WriteBehind, *, settled: bool = False) -> None:
         if settled:
             await disk_room(self, settled=True)
 
-    monkeypatch.setattr(Fetcher, "disk_room", settled_only)
-    monkeypatch.setattr(Fetcher, "write_now", lambda self, key: None)
+    monkeypatch.setattr(WriteBehind, "disk_room", settled_only)
+    monkeypatch.setattr(WriteBehind, "write_now", lambda self, key: None)
     backend = KeyedBackend()
     etag = backend.put("p/model.safetensors", file_data())
     fs = FileSystem(backend, make_config(memory_limit_bytes=BUDGET), make_disk(tmp_path / "c"))

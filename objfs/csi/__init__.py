@@ -10,7 +10,10 @@ credentials. Modules:
   code), and a small client;
 * :mod:`objfs.csi.volume`: volume attributes checked and turned into ``objfs mount`` options;
 * :mod:`objfs.csi.fusemount`: mount(2)/umount2(2) of a FUSE fd, and mountinfo lookups;
-* :mod:`objfs.csi.node`: the Identity and Node services, the offers and ``run_csi``.
+* :mod:`objfs.csi.publication`: a published target's states and their allowed changes;
+* :mod:`objfs.csi.offers`: the thread per target that offers its fd to the sidecar;
+* :mod:`objfs.csi.state`: the state files, and recovery after a restart;
+* :mod:`objfs.csi.node`: the Identity and Node services (gRPC) and ``run_csi``.
 
 Needs the ``csi`` extra (grpcio, protobuf).
 """

@@ -107,7 +107,7 @@ def mount_fd(fd: int, target: str, fsname: str) -> None:
 
     ``allow_other`` because the pod's containers run as other users than the mount's owner
     (root); ``default_permissions`` so the kernel checks the mode bits objfs reports. The
-    options match what ``objfs mount`` asks libfuse for (see ``objfs.mount.fuse_options``).
+    options match what ``objfs mount`` asks libfuse for (see ``objfs.kernel_setup.fuse_options``).
     Returns at once: the kernel queues its INIT request until a server reads ``fd``.
     """
     # fsname shows in mountinfo and df; commas would split the option string (as objfs does).
@@ -134,7 +134,7 @@ def detach(target: str) -> bool:
 
 #: A bound on the mounts :func:`detach_all` takes from one target in one call (it stops
 #: earlier when mountinfo shows no objfs mount on top): the node plugin stacks at most
-#: ``1 + objfs.csi.node.MAX_REPLACEMENTS``, far below; more can only come from outside (or
+#: ``1 + objfs.csi.publication.MAX_REPLACEMENTS``, far below; more can only come from outside (or
 #: an older objfs), and the caller reports what remains rather than looping without end.
 MAX_STACKED = 4096
 

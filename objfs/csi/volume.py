@@ -27,7 +27,6 @@ exits the process: whatever argparse would print or exit with becomes a VolumeCo
 
 from __future__ import annotations
 
-import argparse
 import functools
 import os
 import re
@@ -37,7 +36,16 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from objfs.config import MountConfig
-from objfs.errors import ObjfsError
+from objfs.errors import ObjfsError, UsageError
+from objfs.options import (
+    flag_arguments,
+    is_flag,
+    mount_arguments,
+    mount_config,
+    mount_options,
+    mount_parser,
+    parse_boolean,
+)
 
 #: The kubelet adds these when the CSIDriver sets ``podInfoOnMount`` (and, for the token,
 #: ``tokenRequests``); ``ephemeral`` marks inline volumes.
@@ -73,7 +81,6 @@ _CREDENTIAL_LIKE = re.compile(
     r"|access[-_.]?key|private[-_.]?key|api[-_.]?key|auth|session|signature|\bsig\b|\bkey\b",
     re.IGNORECASE,
 )
-_FLAG_VALUES = {"true": True, "false": False}
 _POD_UID = re.compile(r"[A-Za-z0-9][A-Za-z0-9-]{0,63}")
 
 
@@ -102,31 +109,8 @@ class VolumeSpec:
         return {"source": self.source, "options": dict(sorted(self.options.items()))}
 
 
-@functools.cache
-def _mount_parser() -> argparse.ArgumentParser:
-    from objfs.cli import build_parser
-
-    parser = build_parser()
-    for action in parser._actions:
-        if isinstance(action, argparse._SubParsersAction):
-            mount: argparse.ArgumentParser = action.choices["mount"]
-            return mount
-    raise AssertionError("the objfs parser has no mount command")
-
-
-@functools.cache
-def mount_options() -> dict[str, argparse.Action]:
-    """Every long option of ``objfs mount`` without dashes (``no-X`` forms included)."""
-    found = {}
-    for action in _mount_parser()._actions:
-        for option in action.option_strings:
-            if option.startswith("--"):
-                found[option[2:]] = action
-    return found
-
-
-def _is_flag(action: argparse.Action) -> bool:
-    return action.nargs == 0
+#: This module's own copy of ``objfs mount``'s parser: :func:`_check_mount_argv` patches it.
+_mount_parser = functools.cache(mount_parser)
 
 
 def _check_value(key: str, value: str) -> None:
@@ -180,25 +164,21 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
             raise VolumeContextError(
                 f"volume attribute {key!r} cannot be set on a CSI volume: {NOT_HERE[key]}"
             )
-        action = known.get(key)
-        if action is None:
+        if key not in known:
             if _CREDENTIAL_LIKE.search(key):
                 raise _refuse_credential(key)
             raise VolumeContextError(
                 f"unknown volume attribute {key!r}: give 'source' and `objfs mount` long options "
                 "without dashes (e.g. endpoint-url, region, metadata-ttl); see `objfs mount --help`"
             )
-        if _is_flag(action):
-            flag = _FLAG_VALUES.get(value.strip().lower())
-            if flag is None:
-                raise VolumeContextError(
-                    f'volume attribute {key!r} is a flag: give "true" or "false"'
-                )
-            if flag:
-                options[key] = "true"
-            elif isinstance(action, argparse.BooleanOptionalAction):
-                # --force-path-style / --no-force-path-style: "false" is the other one.
-                options[key[3:] if key.startswith("no-") else f"no-{key}"] = "true"
+        if is_flag(key):
+            try:
+                flag = parse_boolean(value, f"volume attribute {key!r} is a flag")
+            except UsageError as exc:
+                raise VolumeContextError(str(exc)) from None
+            # --force-path-style / --no-force-path-style: "false" is the other one.
+            for argument in flag_arguments(key, flag):
+                options[argument.removeprefix("--")] = "true"
             continue
         _check_value(key, value)
         options[key] = value
@@ -228,11 +208,9 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
     if not _POD_UID.fullmatch(pod_uid):
         raise VolumeContextError(f"{POD_UID_KEY} is not a pod UID")
 
-    argv = [source, target_path]
     redact = functools.partial(_redact, options=options)
-    for key, value in options.items():
-        # --key=value: a value that starts with a dash stays a value.
-        argv.append(f"--{key}" if _is_flag(known[key]) else f"--{key}={value}")
+    # --key=value: a value that starts with a dash stays a value.
+    argv = [source, target_path, *mount_arguments(options)]
     try:
         config = _check_mount_argv(argv)
     except VolumeContextError as exc:
@@ -271,8 +249,6 @@ _UNSET_MEMORY_LIMIT = "2G"
 
 def _check_mount_argv(argv: list[str]) -> MountConfig:
     """Runs ``objfs mount``'s parsing and value checks over ``argv``; returns its MountConfig."""
-    from objfs.cli import _mount_config
-
     parser = _mount_parser()
 
     def error(message: str) -> Any:
@@ -310,7 +286,7 @@ def _check_mount_argv(argv: list[str]) -> MountConfig:
         # only the sidecar's own run of `objfs mount` judges the default.
         args.memory_limit = _UNSET_MEMORY_LIMIT
     try:
-        return _mount_config(args)
+        return mount_config(args)
     except ObjfsError as exc:
         message = str(exc).replace("--", "")
         raise VolumeContextError(f"volume attributes: {message}") from None

@@ -1,5 +1,11 @@
 """objfs's own FUSE transport: the kernel's FUSE protocol spoken directly over ``/dev/fuse``.
 
+Modules: ``protocol`` (fuse.h's numbers), ``requests`` (parsing), ``replies`` (building),
+``negotiation`` (the INIT answer), ``mounting`` (the ``/dev/fuse`` fd: mount(2),
+``fusermount3``, unmounting), ``session`` (:class:`~objfs.kernel.session.KernelSession`: the
+reader thread and dispatch), ``writers`` (reply writes, READ writer threads), ``read_turns``
+(READs enter the core in arrival order), ``passthrough`` (backing files per open inode).
+
 What the README's "FUSE transports" says in short, in full (the user's view of each mode):
 
 - **``kernel``** (the default): objfs's own implementation of the FUSE protocol

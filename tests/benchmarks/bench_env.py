@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from objfs.demo import free_port
-from objfs.mount import mount_entry
+from objfs.mountinfo import mount_entry
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = REPO / ".venv" / "bin"

@@ -9,10 +9,10 @@ memoryview slice of the file's bytes, no copy), flush and release; no store, no 
 read-ahead logic.
 
 Everything between the loader and the handlers is objfs's: the same mount options
-(``objfs.mount.fuse_options``, with this file system's own fsname and subtype), the same
+(``objfs.kernel_setup.fuse_options``, with this file system's own fsname and subtype), the same
 pyfuse3 task limit, the same attribute timeouts and block size (``objfs.config.MountConfig``
 defaults), and, once the kernel's INIT is answered, the same kernel tuning
-(``objfs.mount.tune_kernel`` with objfs's defaults: the mount's bdi ``read_ahead_kb``, the FUSE
+(``kernel_setup.tune_kernel`` with objfs's defaults: the mount's bdi ``read_ahead_kb``, the FUSE
 connection's ``max_background`` and ``congestion_threshold``). That tuning finds the mount's
 major:minor in /proc/self/mountinfo and never touches the mountpoint, which this process alone
 could answer. ``bench_models`` loads the model through it like through objfs: the gap between
@@ -43,7 +43,8 @@ from objfs.config import MountConfig, parse_source
 from objfs.errors import IsADirectoryFsError, ObjectNotFoundError, ReadOnlyError
 from objfs.fs import Attributes, FileSystem
 from objfs.kernel.session import KernelSession
-from objfs.mount import _MAX_FUSE_TASKS, fuse_options, tune_kernel
+from objfs.kernel_setup import fuse_options, tune_kernel
+from objfs.mount import _MAX_FUSE_TASKS
 
 NAME = "binding-ceiling"
 log = logging.getLogger(NAME)

@@ -47,7 +47,7 @@ from objfs.demo import (  # noqa: E402
     start_moto_server,
     upload_dir,
 )
-from objfs.mount import mount_entry  # noqa: E402
+from objfs.mountinfo import mount_entry  # noqa: E402
 
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 OBJFS = REPO / ".venv" / "bin" / "objfs"

@@ -36,7 +36,8 @@ from typing import Any
 from objfs.backends.base import ListPage, ObjectInfo
 from objfs.backends.memory import MemoryBackend, SyntheticData
 from objfs.config import MountConfig, parse_source
-from objfs.mount import serve, setup_logging
+from objfs.logsetup import setup_logging
+from objfs.mount import serve
 
 log = logging.getLogger("serve_keys")
 

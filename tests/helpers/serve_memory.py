@@ -14,7 +14,8 @@ import sys
 
 from objfs.backends.memory import MemoryBackend, SyntheticData
 from objfs.config import MountConfig, parse_source
-from objfs.mount import serve, setup_logging
+from objfs.logsetup import setup_logging
+from objfs.mount import serve
 
 
 def synthetic(name: str, size: int) -> SyntheticData:

@@ -1,0 +1,304 @@
+"""``DiskCache``: the disk tier's interface, and the passthrough decision (a version verified
+whole).
+
+Contract:
+
+* ``read_blocks(key, etag, indexes, lengths) -> {index: bytes}`` and
+  ``read_blocks_into(key, etag, indexes, buffers) -> {indexes filled}`` return the present,
+  intact blocks of a list (see ``blockio.py``); ``write_blocks(key, etag, first_index,
+  blocks) -> count`` stores a run of consecutive blocks, or fewer (see ``space.py`` for when
+  none); ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
+  ``missing_bytes(key, etag, lengths)`` says how much of a version the table does not list.
+* ``whole_version_file`` names a data file for FUSE passthrough only when it holds exactly the
+  object's bytes and every block was checked against its hash once for this cache (by this
+  process, or recorded in the table, ``stamp.py``); ``seal`` records that without reading a
+  byte when this process checked every block as it wrote or read it.
+* With the tier off (``enabled`` false) every read is a miss and every write stores nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Sequence
+
+from objfs.block_cache import BlockKey
+from objfs.disk_cache.blockio import BlockIO, runs
+from objfs.disk_cache.layout import (
+    ENTRY,
+    BlockData,
+    BlockLocation,
+    Version,
+    byte_view,
+    decode_entry,
+)
+from objfs.disk_cache.ledger import estimate
+from objfs.disk_cache.space import EVICT_SLACK, SpaceKeeper
+from objfs.disk_cache.stamp import current_stamp, first_bad_block, record_stamp, stamp_recorded
+
+log = logging.getLogger(__name__)
+
+
+class DiskCache(BlockIO, SpaceKeeper):
+    """The persistent tier of blocks of one cache directory: ``DiskCache(directory, *,
+    namespace, block_size, size_limit_bytes, min_free_bytes)`` (see ``SpaceKeeper``)."""
+
+    def locate(self, key: str, etag: str, index: int) -> BlockLocation:
+        """The files and offsets of block ``index`` of a version (for tests and tools)."""
+        v = self._version(key, etag)
+        return BlockLocation(
+            v.data_path, index * self.block_size, v.index_path, v.table_offset + index * ENTRY.size
+        )
+
+    def read(self, key: BlockKey, expected_length: int) -> bytes | None:
+        """Block ``key`` if it is cached and intact, else None (a corrupt one is dropped)."""
+        return self.read_blocks(key.key, key.etag, [key.block], [expected_length]).get(key.block)
+
+    def write(self, key: BlockKey, data: BlockData) -> None:
+        """Store one block; evict old versions if over the limits."""
+        self.write_blocks(key.key, key.etag, key.block, [data])
+
+    def read_blocks(
+        self, key: str, etag: str, indexes: Sequence[int], lengths: Sequence[int]
+    ) -> dict[int, bytes]:
+        """The cached, intact blocks among ``indexes`` of version (key, etag), by index.
+
+        ``lengths[n]`` is the length block ``indexes[n]`` has (block_size but for an
+        object's last block). Blocks not returned are misses: absent, or found damaged and
+        dropped. The bytes returned are the caller's (no pooled buffer behind them).
+        """
+        found: dict[int, bytes] = {}
+
+        def deliver(index: int, view: memoryview, pooled: bool) -> None:
+            found[index] = view.tobytes()
+
+        self._read(key, etag, indexes, lengths, None, deliver)
+        return found
+
+    def read_blocks_into(
+        self, key: str, etag: str, indexes: Sequence[int], buffers: Sequence[memoryview]
+    ) -> set[int]:
+        """Fill ``buffers[n]`` (writable; its length is the block's) with block
+        ``indexes[n]``; returns the indexes filled. O_DIRECT reads go straight into a
+        page-aligned buffer of whole pages. A buffer not filled holds unspecified bytes."""
+        filled: set[int] = set()
+        outs = dict(zip(indexes, (byte_view(b) for b in buffers), strict=True))
+
+        def deliver(index: int, view: memoryview, pooled: bool) -> None:
+            if pooled:
+                outs[index][:] = view
+            filled.add(index)
+
+        self._read(key, etag, list(outs), [len(b) for b in outs.values()], outs, deliver)
+        return filled
+
+    def write_blocks(
+        self, key: str, etag: str, first_index: int, blocks: Sequence[BlockData]
+    ) -> int:
+        """Store blocks ``first_index``, ``first_index + 1``, ... of version (key, etag);
+        returns how many were stored, counted from the first (fewer than given: the rest are
+        not on disk). Every block but an object's last is block_size long. Runs of up to 8
+        blocks are one pwritev of the data and one pwrite of their entries.
+
+        Nothing is written (0) when the version would pass 90% of the cap, when free space
+        is under the floor, or when the cap has no room for the write even after evicting
+        (the room is reserved in the ledger first: see ``space.py``)."""
+        if not self.enabled or not blocks:
+            return 0
+        views = [byte_view(b) for b in blocks]
+        if any(not 0 < len(v) <= self.block_size for v in views):
+            raise ValueError(f"a block's length must be 1 to {self.block_size} bytes")
+        v = self._version(key, etag)
+        nbytes = sum(len(view) for view in views)
+        with self._lock:
+            entry = self._index.get(v.digest)
+            grown = (entry.allocated if entry is not None else 0) + nbytes
+        if grown > self.size_limit_bytes * (1 - EVICT_SLACK):
+            log.debug("disk cache: %s is too big for the cache; not caching it", key)
+            with self._lock:
+                self.skipped_full += len(views)
+            return 0
+        if not self._room_for(nbytes):
+            with self._lock:
+                self.skipped_low_space += len(views)
+            return 0
+        need = estimate(v, first_index, views, new=entry is None)
+        try:
+            room = self._claim_room(need)
+        except OSError as exc:
+            self._failed("reserving room in", self.root, exc)
+            return 0
+        if not room:
+            log.debug("disk cache: no room for %d bytes of %s under the cap", need, key)
+            with self._lock:
+                self.skipped_full += len(views)
+            return 0
+        stored = 0
+        landed = need  # what the write allocated: all it reserved, unless measured
+        try:
+            with self._use(v, create=True) as files:
+                if files is not None:  # None: its table kept turning out foreign
+                    before = files.allocated()
+                    try:
+                        spans = [(first_index + n, len(view)) for n, view in enumerate(views)]
+                        for start, stop in runs(spans, self.block_size):
+                            run = views[start:stop]
+                            stored += self._write_chunk(v, files, first_index + start, run)
+                    finally:
+                        after = files.allocated()
+                        landed = after - before
+                        self._account(v.digest, files, allocated=after)
+        except OSError as exc:
+            self._failed("writing", v.data_path, exc)
+        else:
+            self._succeeded()
+        finally:
+            try:
+                self._settle_room(need, landed)
+            except OSError as exc:
+                self._failed("settling the size ledger in", self.root, exc)
+        with self._lock:
+            self.writes += stored
+            if stored:
+                self._checked_blocks(v, key, etag).update(range(first_index, first_index + stored))
+        return stored
+
+    def checked_versions(self) -> list[tuple[str, str]]:
+        """(key, etag) of the versions this process wrote or read blocks of."""
+        with self._lock:
+            return [(key, etag) for key, etag, _ in self._checked.values()]
+
+    # -- passthrough -----------------------------------------------------------------------
+
+    def seal(self, key: str, etag: str, size: int) -> bool:
+        """Record version (key, etag) of ``size`` bytes as verified whole for passthrough
+        (``STAMP``, see whole_version_file) when this process checked every one of its
+        blocks (wrote them, hashed as they went out, or read them back intact): no read of
+        its bytes, here or in the next process. The data is synced to disk first. True when
+        the version is recorded (now or before); False when a block is missing or was not
+        checked here."""
+        if not self.enabled or size <= 0:
+            return False
+        v = self._version(key, etag)
+        count = (size + self.block_size - 1) // self.block_size
+        if v.digest not in self._verified and not self._covered(v, count):
+            return False
+        return self.whole_version_file(key, etag, size) is not None
+
+    def whole_version_file(self, key: str, etag: str, size: int) -> str | None:
+        """The data file of version (key, etag) when it holds exactly the object's ``size``
+        bytes, for the kernel to serve by FUSE passthrough (which checks no hash); else None.
+
+        Exactly: every block is listed in the table; the file is cut to ``size`` (an O_DIRECT
+        write pads the last block to a page), so it has no padding past the object's end, and
+        no holes (block ``i`` fills ``[i * block_size, ...)``); and every block was checked
+        against its hash once for this disk cache: written by this process (hashed as it went
+        out) or read back intact by it, else read and verified now (a damaged block is
+        dropped, so normal reads fetch and rewrite it, and this answers None). The check is
+        recorded in the table file (``STAMP``: the data file's inode and size and a hash of
+        the table) after the data is synced to disk, so a remount serves the version with no
+        read of its bytes; dropping a block, rewriting the table, replacing or resizing the
+        file voids the record, and the next call verifies again. What the record cannot see
+        is damage to the data on disk afterwards: passthrough reads it as any local file is
+        read, while normal reads still check every block. Blocks that are listed are never
+        written again, so the bytes under a passthrough file do not change; eviction unlinks
+        the file, and the kernel keeps reading the unlinked one."""
+        if not self.enabled or size <= 0:
+            return None
+        bs = self.block_size
+        lengths = [min(bs, size - i * bs) for i in range((size + bs - 1) // bs)]
+        if self.missing_bytes(key, etag, lengths):
+            return None
+        v = self._version(key, etag)
+        try:
+            st = os.stat(v.data_path)
+            if st.st_size > size:
+                os.truncate(v.data_path, size)
+            elif st.st_size < size:
+                return None
+        except OSError:
+            return None
+        if v.digest not in self._verified:
+            stamp = current_stamp(v, len(lengths))
+            if stamp is None or not stamp_recorded(v, stamp):
+                if not self._covered(v, len(lengths)):
+                    log.info("disk cache: checking %s before its first passthrough", v.data_path)
+                    bad = self._first_bad_block(v, lengths)
+                    if bad is not None:
+                        # Read it the usual way, which finds the damage and drops the block.
+                        self.read_blocks(key, etag, [bad], [lengths[bad]])
+                        return None
+                if stamp is not None:
+                    record_stamp(v, stamp)
+            with self._lock:
+                self._verified.add(v.digest)
+        return v.data_path
+
+    def _first_bad_block(self, v: Version, lengths: Sequence[int]) -> int | None:
+        """The first block of ``v`` whose bytes do not match its entry, read now (see
+        ``stamp.first_bad_block``); None when all do."""
+        return first_bad_block(v, lengths, self.block_size)
+
+    def _covered(self, v: Version, count: int) -> bool:
+        """Whether this process checked every one of the ``count`` blocks of ``v``."""
+        with self._lock:
+            found = self._checked.get(v.digest)
+            return found is not None and all(i in found[2] for i in range(count))
+
+    # -- the rest --------------------------------------------------------------------------
+
+    def missing_bytes(self, key: str, etag: str, lengths: Sequence[int]) -> int:
+        """How many bytes of version (key, etag), whose blocks 0, 1, ... have ``lengths``,
+        its table does not list as present now: all of them with the tier off or no table.
+        The table is read afresh from the directory (not through a descriptor kept open, so
+        a version another process removed counts as missing); the data is not read, so a
+        block listed may still turn out damaged when read (and is then fetched again)."""
+        total = sum(lengths)
+        if not self.enabled or not lengths:
+            return total
+        v = self._version(key, etag)
+        try:
+            fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return total
+        try:
+            if os.pread(fd, len(v.header), 0) != v.header:
+                return total
+            table = os.pread(fd, len(lengths) * ENTRY.size, v.table_offset)
+        except OSError:
+            return total
+        finally:
+            os.close(fd)
+        missing = 0
+        for index, length in enumerate(lengths):
+            found = decode_entry(table[index * ENTRY.size : (index + 1) * ENTRY.size], index)
+            if found is None or not found.intact or found.length != length:
+                missing += length
+        return missing
+
+    def close(self) -> None:
+        """Close the open files (those in use when their last user is done)."""
+        with self._lock:
+            unused = [f for f in self._files.values() if f.users == 0]
+            for files in self._files.values():
+                files.dropped = True
+            self._files.clear()
+            self._buffers.clear()
+        for files in unused:
+            files.close()
+
+    def statistics(self) -> dict[str, int]:
+        with self._lock:
+            return {
+                "disk_hits": self.hits,
+                "disk_misses": self.misses,
+                "disk_writes": self.writes,
+                "disk_corrupt": self.corrupt,
+                "disk_bytes": self._total,
+                "disk_enabled": int(self.enabled),
+                "disk_errors": self.errors,
+                "disk_evictions": self.evictions,
+                "disk_versions": len(self._index),
+                "disk_blocks_skipped_low_space": self.skipped_low_space,
+                "disk_blocks_skipped_full": self.skipped_full,
+            }
