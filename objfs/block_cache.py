@@ -98,7 +98,7 @@ class BufferPool:
     where the last run ended), and sequential runs follow each other, so consecutive blocks
     of a file usually sit back to back in memory: a read that spans them is answered with
     one view (``span``) instead of being assembled by a copy (the kernel's requests are
-    rarely block-aligned: 88% of a load's 1 MiB reads spanned two blocks). Single buffers
+    rarely block-aligned; tests/benchmarks/README.md says how often). Single buffers
     (reply buffers) come from the arena's far end, out of the runs' way. When the arena has
     no free slot, a buffer gets a mapping of its own, unmapped on release (counted in
     ``buffers_overflow``; the block cache's budget keeps that rare).
@@ -121,9 +121,8 @@ class BufferPool:
         # Transparent huge pages where the kernel offers them on request (the usual
         # "madvise" setting): 2 MiB pages instead of 4 KiB ones. Every byte of a block is
         # pinned page by page twice, by the receive or the O_DIRECT disk read and by the FUSE
-        # reply's copy; with huge pages a load took about 1,000 page faults instead of 66,000,
-        # remounts and most cold loads were faster, tensor-parallel loads slower (the main
-        # thread's replies cost more; see README, "Benchmarks"). Without THP: no effect.
+        # reply's copy, so huge pages save most page faults (figures in
+        # tests/benchmarks/README.md). Without THP: no effect.
         if hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):
                 self._arena.madvise(mmap.MADV_HUGEPAGE)
@@ -623,9 +622,8 @@ class BlockCache:
         oldest of those). None if every used block is pinned.
 
         A pinned block would free no memory, and it would leave the cache before it is on
-        disk: a reader who needs it again meanwhile fetches it from the store (four
-        tensor-parallel ranks fetched up to 1.097x the model that way, 1.013x in the median
-        of 7 runs; 1.001x with this rule). A block not on disk may be lost to the disk tier
+        disk: a reader who needs it again meanwhile fetches it from the store (figures in
+        tests/benchmarks/README.md). A block not on disk may be lost to the disk tier
         (a deferred write); one on disk comes back as a disk read."""
         fallback = None
         scan = SAVED_SCAN

@@ -5,7 +5,7 @@ a cache engine that collapses them: nginx's ``proxy_cache`` with the slice modul
 (``k8s/cache-engine/``), or Dragonfly's dfdaemon. The engine is a reverse proxy: a data GET
 for ``https://STORE/PATH?QUERY`` is sent as ``GET URL/PATH?QUERY``, where ``URL`` is the
 engine's, and the engine forwards path and query to the store unchanged. The query is a
-presigned URL's (S3, objfs.backends.s3) or a SAS (Azure, objfs.backends.azure: the mount's
+presigned URL's (S3, objfs.backends.s3_signing) or a SAS (Azure, objfs.backends.azure_auth: the mount's
 SAS token, else a read-only blob SAS signed by the account key or a user delegation key): the
 engine may re-range the request (its slices) and still present a valid signature, because the
 signature covers neither ``Range`` nor (Azure) the host. Every GET
