@@ -1,17 +1,16 @@
 """Data GETs through a shared cache engine (``--cache-proxy URL``), with the store as fallback.
 
-Many nodes that load one model fetch it once from the store when their data GETs go through
-a cache engine that collapses them: nginx's ``proxy_cache`` with the slice module
-(``k8s/cache-engine/``), or Dragonfly's dfdaemon. The engine is a reverse proxy: a data GET
-for ``https://STORE/PATH?QUERY`` is sent as ``GET URL/PATH?QUERY``, where ``URL`` is the
-engine's, and the engine forwards path and query to the store unchanged. The query is a
-presigned URL's (S3, objfs.backends.s3_signing) or a SAS (Azure, objfs.backends.azure_auth: the mount's
-SAS token, else a read-only blob SAS signed by the account key or a user delegation key): the
-engine may re-range the request (its slices) and still present a valid signature, because the
-signature covers neither ``Range`` nor (Azure) the host. Every GET
-carries ``If-Match`` with the version's ETag, so the engine's cache key (path, If-Match,
-slice) names the version and not the signature, and the caller still checks every reply's
-ETag against its pin.
+Many nodes that load one model fetch it once from the store when their data GETs go through a
+cache engine that collapses them: nginx's ``proxy_cache`` with the slice module
+(``k8s/cache-engine/``), or Dragonfly's dfdaemon. The engine is a reverse proxy: a data GET for
+``https://STORE/PATH?QUERY`` is sent as ``GET URL/PATH?QUERY``, where ``URL`` is the engine's,
+and the engine forwards path and query to the store unchanged. The query is a presigned URL's
+(S3, objfs.backends.s3_signing) or a SAS (Azure, objfs.backends.azure_auth: the mount's SAS
+token, else a read-only blob SAS signed by the account key or a user delegation key): the engine
+may re-range the request (its slices) and still present a valid signature, because the signature
+covers neither ``Range`` nor (Azure) the host. Every GET carries ``If-Match`` with the version's
+ETag, so the engine's cache key (path, If-Match, slice) names the version and not the signature,
+and the caller still checks every reply's ETag against its pin.
 
 Fallback: any failure of the engine (refused, reset, timeout, 5xx, a short or misplaced body,
 another version's bytes) makes the caller read that range from the store directly; the

@@ -1,10 +1,11 @@
 """One rule for the errors of a nursery: callers see one exception, never a group.
 
 trio (>= 0.25) wraps whatever a nursery's tasks raise in a ``BaseExceptionGroup``, even a single
-exception. objfs's error handling (the stale-but-available rule in :mod:`objfs.availability`, the errno
-boundary in :mod:`objfs.fuse_ops`, the exit codes of the CLI) catches domain exceptions by
-class, so a group would slip past every ``except`` and become EIO or "internal error". Every
-nursery in objfs is therefore opened with :func:`open_nursery`, which applies :func:`collapse`:
+exception. objfs's error handling (the stale-but-available rule in :mod:`objfs.availability`,
+the errno boundary in :mod:`objfs.fuse_ops`, the exit codes of the CLI) catches domain
+exceptions by class, so a group would slip past every ``except`` and become EIO or "internal
+error". Every nursery in objfs is therefore opened with :func:`open_nursery`, which applies
+:func:`collapse`:
 
 * a group whose leaves are all ``trio.Cancelled`` is re-raised as it is (trio's cancel scopes
   catch such groups);

@@ -22,8 +22,8 @@ that grows its window, where streams per handle restarted small at every tensor:
   stream continues it (``owner``): random readers side by side must not look sequential
   together.
 
-This module only decides *what* to fetch; :mod:`objfs.scheduler` fetches it. Pure and synchronous, so
-it is tested without I/O.
+This module only decides *what* to fetch; :mod:`objfs.scheduler` fetches it. Pure and
+synchronous, so it is tested without I/O.
 """
 
 from __future__ import annotations
