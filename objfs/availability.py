@@ -18,7 +18,7 @@ from typing import TypeVar
 from objfs.config import MountConfig
 from objfs.errors import EndpointUnreachableError, TransientStoreError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.fs")  # the core's one name
 
 T = TypeVar("T")
 

@@ -26,6 +26,10 @@ log = logging.getLogger("objfs")
 def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
     from objfs.daemon import spawn_daemon
     from objfs.logsetup import setup_logging
+
+    # Here, in the process the user runs: a missing libfuse or pyfuse3 fails with its own
+    # message, not as a daemon that exited before serving.
+    from objfs.mount import serve
     from objfs.mountpoint import check_fuse, check_mountpoint
 
     config = mount_config(args)
@@ -65,8 +69,6 @@ def _run_mount(args: argparse.Namespace, argv: Sequence[str]) -> int:
 
         watch = CredentialWatch.open(credentials)
         return S3Backend(config.source.bucket, config.s3, credential_watch=watch)
-
-    from objfs.mount import serve  # pyfuse3 and trio: only for a mount that serves
 
     return serve(config, make_backend, args.daemon_ready_fd)
 

@@ -45,7 +45,7 @@ from objfs.inodes import (
 from objfs.nursery import open_nursery
 from objfs.singleflight import SingleFlight
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.fs")  # the core's one name
 
 
 class Namespace:

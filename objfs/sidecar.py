@@ -45,9 +45,16 @@ def _variable(name: str) -> str:
     return "OBJFS_" + name.upper().replace("-", "_")
 
 
+#: Options whose variable objfs already reads elsewhere: ``$OBJFS_FUSE_TRANSPORT`` is the switch
+#: for every mount of a node or an image (:func:`objfs.options.fuse_transport`), one meaning.
+READ_ELSEWHERE = frozenset({"fuse-transport"})
 #: Environment variables that carry the value of an ``objfs mount`` option: one per option of
 #: :func:`objfs.options.mount_options` (``--cache-dir``: ``OBJFS_CACHE_DIR``).
-VALUE_OPTIONS = {_variable(name): f"--{name}" for name in mount_options() if not is_flag(name)}
+VALUE_OPTIONS = {
+    _variable(name): f"--{name}"
+    for name in mount_options()
+    if not is_flag(name) and name not in READ_ELSEWHERE
+}
 #: Environment variables that set an ``objfs mount`` flag: ``true`` or ``false``.
 FLAG_OPTIONS = {_variable(name): name for name in mount_options() if is_flag(name)}
 

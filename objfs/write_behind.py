@@ -39,7 +39,7 @@ from objfs.wakeup import Signal
 if TYPE_CHECKING:
     from objfs.inodes import Handle
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.scheduler")  # the name it logged under
 
 # Writes go through at most two threads: they are behind the reader, and more would only
 # compete with it for the CPU.

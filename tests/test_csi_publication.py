@@ -126,3 +126,21 @@ def test_an_fd_changed_behind_become_fails_the_next_change() -> None:
     finally:
         os.close(fd)
     assert pub.fd == 7
+
+
+def test_a_failed_watch_leaves_the_target_to_be_replaced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Watching a served target can fail (tune_kernel's OSError): the publication is then DEAD,
+    so the next sidecar that connects gets a fresh mount, never a SERVED one nobody watches."""
+    from objfs.csi import offers
+
+    pub = reach(State.WAITING)
+    monkeypatch.setattr(offers.fdpass, "send_offer", lambda conn, fd, payload: None)
+    monkeypatch.setattr(offers.fdpass, "read_reply", lambda conn, timeout: None)
+
+    def watch(self: object, pub: Publication, conn: object) -> None:
+        raise OSError("no /sys/fs/fuse/connections")
+
+    monkeypatch.setattr(offers.Offers, "_watch", watch)
+    offers.Offers()._offer(pub, conn=None)  # type: ignore[arg-type]
+    assert pub.state is State.DEAD
+    assert pub.fd == -1

@@ -539,8 +539,7 @@ def test_writes_scan_no_directory_and_check_free_space_rarely(
     """No periodic scan: writing under the cap lists and stats nothing; statvfs runs once per
     _SPACE_CHECK_BYTES written (or per second), not per write."""
     clock = [1000.0]
-    for module in (space, versions):  # their clocks
-        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(versions, "monotonic", lambda: clock[0])  # the tier's clock
     monkeypatch.setattr(space, "_SPACE_CHECK_BYTES", 16 * BS)
     cache = make_cache(tmp_path / "c", min_free_bytes=1)
     for i in range(10):  # creates the versions' files (and subdirectories: os.makedirs stats)
@@ -564,8 +563,7 @@ def test_a_low_disk_evicts_and_pauses_writes(
 ) -> None:
     caplog.set_level(logging.INFO, logger="objfs.disk_cache")
     clock = [1000.0]
-    for module in (space, versions):  # their clocks
-        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(versions, "monotonic", lambda: clock[0])  # the tier's clock
     cache = make_cache(tmp_path / "c", min_free_bytes=1)
     for i in range(4):
         cache.write(BlockKey(f"k{i}", "e", 0), block(f"k{i}", 0))
@@ -901,8 +899,7 @@ def test_a_version_removed_by_another_process_is_never_served_wrong(
     """Another process evicts a version this one has open: reads are right or miss, and
     within a second the files are opened afresh (so writes land where others see them)."""
     clock = [1000.0]
-    for module in (space, versions):  # their clocks
-        monkeypatch.setattr(module, "_monotonic", lambda: clock[0])
+    monkeypatch.setattr(versions, "monotonic", lambda: clock[0])  # the tier's clock
     a, b = make_cache(tmp_path / "c"), make_cache(tmp_path / "c")
     a.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
     assert b.read(BlockKey("k", "e", 0), BS) == block("k", 0)

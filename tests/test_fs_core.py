@@ -72,7 +72,7 @@ async def test_listing_rules(caplog: pytest.LogCaptureFixture) -> None:
     ):
         backend.put(key, b"k:" + key.encode())
     fs = make_fs(backend, metadata_ttl_s=0)
-    caplog.set_level(logging.WARNING, logger="objfs.namespace")
+    caplog.set_level(logging.WARNING, logger="objfs.fs")
     assert await names(fs) == {"file", "dir", "same", "a", "implied"}
     await names(fs)  # listed again (TTL 0): no second warning
     same = fs.node(await resolve(fs, "same"))

@@ -11,6 +11,7 @@ import argparse
 
 import pytest
 
+from objfs.config import TRANSPORT_ENV
 from objfs.csi.volume import NOT_HERE, VolumeContextError, parse_volume_context
 from objfs.errors import UsageError
 from objfs.mount_helper import FLAG_OPTIONS as FSTAB_FLAGS
@@ -26,8 +27,8 @@ from objfs.options import (
     parse_boolean,
 )
 from objfs.sidecar import FLAG_OPTIONS as ENV_FLAGS
+from objfs.sidecar import READ_ELSEWHERE, sidecar_command
 from objfs.sidecar import VALUE_OPTIONS as ENV_VALUES
-from objfs.sidecar import sidecar_command
 from objfs.sidecar_fd import mount_arguments as offer_arguments
 
 POD = {"csi.storage.k8s.io/pod.uid": "0f1e2d3c-aaaa-bbbb-cccc-000000000001"}
@@ -59,10 +60,13 @@ def test_every_front_end_reaches_every_mount_option() -> None:
     fstab = {flag[2:] for flag in [*FSTAB_VALUES.values(), *FSTAB_FLAGS.values()]}
     assert fstab == names
     env = {flag[2:] for flag in ENV_VALUES.values()} | set(ENV_FLAGS.values())
-    assert env == names
+    assert env == names - READ_ELSEWHERE
     assert set(ENV_VALUES) | set(ENV_FLAGS) == {
-        "OBJFS_" + n.upper().replace("-", "_") for n in names
+        "OBJFS_" + n.upper().replace("-", "_") for n in names - READ_ELSEWHERE
     }
+    # A variable objfs reads by itself keeps its one meaning.
+    assert TRANSPORT_ENV == "OBJFS_FUSE_TRANSPORT"
+    assert TRANSPORT_ENV not in ENV_VALUES
     # A CSI volume takes them all but those it has a reason to refuse.
     assert set(NOT_HERE) >= COMMAND_LINE_ONLY
 

@@ -44,7 +44,7 @@ from objfs.backends.azure_errors import error_code
 from objfs.config import ACCOUNT_NAME_RE, AzureOptions, Source
 from objfs.errors import UsageError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.backends.azure")  # the backend's one name
 
 #: Set (to anything) to skip DefaultAzureCredential: for tests and hosts where its probes of
 #: the instance-metadata endpoint must not happen.

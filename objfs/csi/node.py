@@ -304,8 +304,7 @@ class Node:
 
     def recover(self) -> None:
         """After a restart: listen again for the targets still mounted, forget the others."""
-        found = recover_publications(self.state_files, self.offers, self.kubelet_dir)
-        self._publications.update(found)
+        recover_publications(self.state_files, self.offers, self.kubelet_dir, self._publications)
 
     def shutdown(self) -> None:
         """Stops every thread and closes sockets and fds; mounts, state files and socket files

@@ -283,7 +283,18 @@ class Offers:
         with pub.lock:
             pub.become(State.SERVED)  # closes our copy: the sidecar holds the only fd now
         log.info("the sidecar serves %s", pub.target)
-        self._watch(pub, conn)
+        try:
+            self._watch(pub, conn)
+        except Exception as exc:  # e.g. tune_kernel's OSError: never left SERVED unwatched
+            with pub.lock:
+                pub.become(State.DEAD)
+            log.warning(
+                "watching the sidecar of %s failed: %s; the next sidecar to connect gets a "
+                "fresh mount",
+                pub.target,
+                exc,
+            )
+            return
         if not pub.stop.is_set():
             with pub.lock:
                 pub.become(State.DEAD)

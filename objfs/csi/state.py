@@ -68,11 +68,11 @@ class StateFiles:
 
 
 def recover_publications(
-    files: StateFiles, offers: Offers, kubelet_dir: str
-) -> dict[str, Publication]:
-    """After a restart: listen again for the targets still mounted, forget the others; returns
-    the publications found, by target."""
-    found: dict[str, Publication] = {}
+    files: StateFiles, offers: Offers, kubelet_dir: str, found: dict[str, Publication]
+) -> None:
+    """After a restart: listen again for the targets still mounted, forget the others. Each
+    publication found goes into ``found`` (by target) before its offer thread starts, so one
+    that started is known to the node (its shutdown stops it) even if a later one fails."""
     state_dir = files.state_dir
     names = sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []
     for name in names:
@@ -120,4 +120,3 @@ def recover_publications(
                 target,
                 FSTYPE,
             )
-    return found

@@ -45,7 +45,7 @@ from objfs.disk_cache.layout import (
 from objfs.disk_cache.stamp import clear_stamp
 from objfs.disk_cache.versions import Files, VersionStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 # Aligned buffers kept for O_DIRECT copies: one run of _MAX_IO_BLOCKS blocks.
 _POOLED_BUFFERS = 8

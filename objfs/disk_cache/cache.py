@@ -22,6 +22,7 @@ import logging
 import os
 from collections.abc import Sequence
 
+import objfs.disk_cache.space as space  # the module: its EVICT_SLACK read at call time
 from objfs.block_cache import BlockKey
 from objfs.disk_cache.blockio import BlockIO, runs
 from objfs.disk_cache.layout import (
@@ -33,10 +34,10 @@ from objfs.disk_cache.layout import (
     decode_entry,
 )
 from objfs.disk_cache.ledger import estimate
-from objfs.disk_cache.space import EVICT_SLACK, SpaceKeeper
+from objfs.disk_cache.space import SpaceKeeper
 from objfs.disk_cache.stamp import current_stamp, first_bad_block, record_stamp, stamp_recorded
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 
 class DiskCache(BlockIO, SpaceKeeper):
@@ -113,7 +114,7 @@ class DiskCache(BlockIO, SpaceKeeper):
         with self._lock:
             entry = self._index.get(v.digest)
             grown = (entry.allocated if entry is not None else 0) + nbytes
-        if grown > self.size_limit_bytes * (1 - EVICT_SLACK):
+        if grown > self.size_limit_bytes * (1 - space.EVICT_SLACK):
             log.debug("disk cache: %s is too big for the cache; not caching it", key)
             with self._lock:
                 self.skipped_full += len(views)

@@ -32,7 +32,7 @@ import time
 from objfs.disk_cache.layout import DIGEST_LENGTH, FORMAT, OLD_FORMATS, Version
 from objfs.errors import UsageError
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 # Temporary files older than this were left by a crashed writer and are removed on scan.
 _STALE_TMP_S = 600.0

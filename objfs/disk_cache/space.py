@@ -29,12 +29,12 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 
+import objfs.disk_cache.versions as versions  # the module: its clock read at call time
 from objfs.disk_cache.ledger import Ledger, write_ledger
 from objfs.disk_cache.versions import VersionStore
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 # statvfs for the free-space floor after this many bytes written, or this long: the floor
 # leaves gigabytes, so 64 MiB between checks cannot fill a disk.
@@ -81,7 +81,7 @@ class SpaceKeeper(VersionStore):
         64 MiB or second; a low disk first evicts)."""
         if self.min_free_bytes <= 0:
             return True
-        now = _monotonic()
+        now = versions.monotonic()  # the tier's one clock
         with self._lock:
             self._unchecked_bytes += nbytes
             due = (
@@ -209,7 +209,3 @@ class SpaceKeeper(VersionStore):
         """A write that reserved ``need`` bytes is done, and allocated ``landed``: count
         those, drop the reservation, and leave ``.writers``."""
         self._ledger.settle_write(need, landed)
-
-
-def _monotonic() -> float:
-    return time.monotonic()  # a function of its own, so tests can move the clock

@@ -20,7 +20,7 @@ import xxhash
 
 from objfs.disk_cache.layout import ENTRY, STAMP, STAMP_MAGIC, Version, block_hash
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 
 def current_stamp(v: Version, count: int) -> bytes | None:

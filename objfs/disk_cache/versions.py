@@ -37,7 +37,7 @@ from collections.abc import Iterator
 from objfs.disk_cache.directory import ST_BLOCK, create_table, prepare, remove_files, walk
 from objfs.disk_cache.layout import MAGIC, PAGE, Version, version
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 # Open versions kept in the LRU of descriptors (two descriptors each): a model's shards and
 # side files, several models at once, far under the usual limit of 1024 descriptors.
@@ -167,7 +167,7 @@ class VersionStore:
                 self._release(files)
 
     def _acquire(self, v: Version, create: bool) -> Files | None:
-        now = _monotonic()
+        now = monotonic()
         with self._lock:
             files = self._files.get(v.digest)
             if files is not None:
@@ -379,5 +379,6 @@ class VersionStore:
             log.warning("disk cache turned off: %s; objfs continues without it", reason)
 
 
-def _monotonic() -> float:
-    return time.monotonic()  # a function of its own, so tests can move the clock
+def monotonic() -> float:
+    """The disk tier's one clock (a function of its own, so tests can move it)."""
+    return time.monotonic()

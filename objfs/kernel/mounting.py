@@ -22,9 +22,9 @@ import socket
 import stat
 import subprocess
 
+import objfs.kernel.negotiation as negotiation  # the module: MAX_PAGES read when used
 from objfs.config import MountConfig
 from objfs.errors import MountFailedError
-from objfs.kernel.negotiation import MAX_PAGES
 
 # The transport's log lines keep one logger name (objfs.kernel.session).
 log = logging.getLogger("objfs.kernel.session")
@@ -54,14 +54,14 @@ def raise_max_pages_limit() -> int:
     kernel reads it when a connection is created, so this runs before mounting). Returns the
     cap, logged when raised."""
     limit = max_pages_limit()
-    if limit < MAX_PAGES and os.geteuid() == 0 and os.path.exists(_MAX_PAGES_LIMIT):
+    if limit < negotiation.MAX_PAGES and os.geteuid() == 0 and os.path.exists(_MAX_PAGES_LIMIT):
         try:
             with open(_MAX_PAGES_LIMIT, "w", encoding="ascii") as f:
-                f.write(str(MAX_PAGES))
+                f.write(str(negotiation.MAX_PAGES))
         except OSError as exc:
             log.info("fs.fuse.max_pages_limit stays %d (raising it failed: %s)", limit, exc)
         else:
-            log.info("raised fs.fuse.max_pages_limit from %d to %d", limit, MAX_PAGES)
+            log.info("raised fs.fuse.max_pages_limit from %d to %d", limit, negotiation.MAX_PAGES)
             limit = max_pages_limit()
     return limit
 

@@ -15,10 +15,10 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+import objfs.kernel.writers as writers  # the module: WRITERS read when reported
 from objfs.kernel import protocol as p
 from objfs.kernel import replies as rp
 from objfs.kernel.requests import Init
-from objfs.kernel.writers import WRITERS
 
 # The transport's log lines keep one logger name (objfs.kernel.session).
 log = logging.getLogger("objfs.kernel.session")
@@ -61,7 +61,7 @@ class Negotiated:
             "max_request_bytes": self.max_pages * _PAGE,
             "max_readahead_bytes": self.max_readahead,
             "max_background": self.max_background,
-            "reply_threads": WRITERS,
+            "reply_threads": writers.WRITERS,
         }
 
 
