@@ -171,3 +171,56 @@ def test_the_transport_comes_from_the_option_then_the_environment(
     monkeypatch.setenv("OBJFS_FUSE_TRANSPORT", "libfuse")
     with pytest.raises(UsageError, match="OBJFS_FUSE_TRANSPORT: 'libfuse' is not a FUSE"):
         fuse_transport(None)
+
+
+# -- the open inodes' modes (objfs.kernel.passthrough.OpenInodes), without a kernel ---------------
+
+
+def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One backing id per inode, registered once, closed after the last release; an open that
+    finds no version file (it left the disk cache) still gets the inode's backing id, since
+    the kernel refuses a cached open of a passthrough inode and an inode is one version."""
+    from objfs.kernel import passthrough
+
+    registered: list[str] = []
+    closed: list[int] = []
+
+    def register(dev_fd: int, path: str) -> int:
+        registered.append(path)
+        return 40 + len(registered)
+
+    monkeypatch.setattr(passthrough, "_register", register)
+
+    def ioctl(fd: int, request: int, arg: bytearray) -> int:
+        assert request == p.DEV_IOC_BACKING_CLOSE
+        closed.append(struct.unpack("<i", bytes(arg))[0])
+        return 0
+
+    monkeypatch.setattr(passthrough.fcntl, "ioctl", ioctl)
+    inodes = passthrough.OpenInodes()
+    assert inodes.opened(9, 5, "/cache/v1") == 41
+    assert inodes.by_passthrough(5)
+    assert inodes.opened(9, 5, None) == 41  # the version's file is gone: the same backing
+    assert inodes.opened(9, 5, "/cache/v1") == 41
+    assert registered == ["/cache/v1"]
+    for _ in range(2):
+        inodes.released(9, 5)
+        assert closed == []
+    inodes.released(9, 5)
+    assert closed == [41]
+    assert not inodes.by_passthrough(5)
+    # A cached inode stays cached while open, whatever file appears meanwhile.
+    assert inodes.opened(9, 6, None) is None
+    assert inodes.cached(6)
+    assert inodes.opened(9, 6, "/cache/v2") is None
+    assert registered == ["/cache/v1"]
+
+    # A refused registration serves the open cached.
+    def refuse(dev_fd: int, path: str) -> int:
+        raise OSError(errno.EPERM, "not permitted")
+
+    monkeypatch.setattr(passthrough, "_register", refuse)
+    assert inodes.opened(9, 7, "/cache/v3") is None
+    assert inodes.cached(7)

@@ -68,20 +68,30 @@ class OpenInodes:
         io = self._io.get(inode)
         return io is not None and io.backing_id is None
 
-    def opened(self, dev_fd: int, inode: int, path: str | None) -> int | None:
-        """Count an open of ``inode``: by passthrough of ``path`` (its version's file, None
-        for a cached open) where the inode is not open in cached mode and the kernel takes
-        the file; else cached. The backing id, or None for a cached open."""
+    def by_passthrough(self, inode: int) -> bool:
+        """Whether ``inode`` is open by passthrough (every open of it is, until it closes)."""
         io = self._io.get(inode)
-        if path is not None and (io is None or io.backing_id is not None):
+        return io is not None and io.backing_id is not None
+
+    def opened(self, dev_fd: int, inode: int, path: str | None) -> int | None:
+        """Count an open of ``inode``; returns its backing id, or None for a cached open.
+
+        An inode open by passthrough stays so: the kernel refuses a cached open of it, and an
+        inode is one version, so its backing file serves the open even where ``path`` is None
+        now (the version's file left the disk cache since; the kernel keeps the file). Else
+        ``path`` (the version's file, None for a cached open) is registered where the inode is
+        not open at all and the kernel takes the file; anything else opens cached."""
+        io = self._io.get(inode)
+        if io is not None and io.backing_id is not None:
+            io.opens += 1
+            return io.backing_id
+        if path is not None and io is None:
             try:
-                backing_id = io.backing_id if io is not None else _register(dev_fd, path)
+                backing_id = _register(dev_fd, path)
             except OSError as exc:
                 log.warning("FUSE passthrough of %s refused (%s): serving it", path, exc)
             else:
-                if io is None:
-                    io = self._io[inode] = _InodeIO(backing_id)
-                io.opens += 1
+                self._io[inode] = _InodeIO(backing_id, opens=1)
                 return backing_id
         if io is None:
             io = self._io[inode] = _InodeIO(None)

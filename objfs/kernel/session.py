@@ -448,9 +448,11 @@ class KernelSession:
             path = await self.fs.whole_on_disk(inode)
             if self._inodes.cached(inode):  # other opens may have run meanwhile
                 path = None
-        fh, keep_cache = await self.fs.open(inode, flags, prefetch=path is None)
-        log.debug("open of inode %d: %s", inode, "passthrough" if path else "cached")
+        # The kernel reads a passthrough inode's file itself: nothing to fetch ahead for it.
+        prefetch = path is None and not self._inodes.by_passthrough(inode)
+        fh, keep_cache = await self.fs.open(inode, flags, prefetch=prefetch)
         backing_id = self._inodes.opened(self._fd, inode, path)
+        log.debug("open of inode %d: %s", inode, "cached" if backing_id is None else "passthrough")
         if backing_id is not None:
             self.passthrough_opens += 1
             return rp.open_out(fh, p.FOPEN_PASSTHROUGH, backing_id)
