@@ -11,6 +11,7 @@ import atexit
 import contextlib
 import hashlib
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -228,6 +229,15 @@ def run_objfs(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
         check=False,
         **kwargs,
     )
+
+
+def fresh_status(path: Path) -> dict[str, Any]:
+    """``objfs status PATH --json`` once the daemon rewrote its status file (every second), so
+    the figures include everything done before the call."""
+    time.sleep(1.5)
+    status = run_objfs("status", str(path), "--json")
+    assert status.returncode == 0, status.stderr
+    return dict(json.loads(status.stdout))
 
 
 @pytest.fixture

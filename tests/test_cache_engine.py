@@ -26,7 +26,7 @@ import pytest
 
 from objfs.cache_engine import CacheEngine, parse_engine_url
 from objfs.errors import UsageError
-from tests.conftest import Mount, load_at_once, put_many, run_objfs, sha256
+from tests.conftest import Mount, fresh_status, load_at_once, put_many, run_objfs, sha256
 from tests.helpers.proxy import Proxy
 
 MiB = 1 << 20
@@ -242,7 +242,7 @@ def test_two_nodes_loading_at_once_fetch_the_files_once_from_the_origin(
     sent = origin.stats.response_bytes
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the files"
     for m in nodes:
-        status = _status(m)
+        status = fresh_status(m.path)
         assert status["cache_engine"]["bytes_via_engine"] == total
         assert status["cache_engine"]["failures"] == 0
     # Every range asked of the engine (objfs's) and of its cache server (the router's
@@ -270,7 +270,7 @@ def test_the_engine_killed_in_the_middle_of_a_load_costs_no_error(
         engine.kill()
         rest = f.read()
     assert sha256(head + rest) == sha256(data)
-    status = _status(m)
+    status = fresh_status(m.path)
     assert status["cache_engine"]["failures"] >= 1
     assert status["cache_engine"]["bytes_direct"] > 0
     assert "cache engine" in m.log()
@@ -289,15 +289,6 @@ def test_a_replaced_object_is_never_served_the_old_versions_bytes(
     assert sha256((b.path / "r.bin").read_bytes()) == sha256(new)
     time.sleep(1.5)  # past node a's metadata TTL
     assert sha256((a.path / "r.bin").read_bytes()) == sha256(new)
-
-
-def _status(m: Mount) -> dict[str, Any]:
-    import json
-
-    time.sleep(1.5)  # the status file is rewritten every second
-    res = run_objfs("status", str(m.path), "--json")
-    assert res.returncode == 0, res.stderr
-    return dict(json.loads(res.stdout))
 
 
 def test_engine_process_is_ours(engine: Engine) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import base64
 import datetime as _dt
 import errno
-import json
 import logging
 import os
 import time
@@ -29,7 +28,7 @@ import pytest
 
 from objfs.options import build_parser, mount_config
 from tests.azurite import DEV_ACCOUNT, DEV_KEY, put_blobs
-from tests.conftest import Mount, load_at_once, run_objfs, sha256
+from tests.conftest import Mount, fresh_status, load_at_once, run_objfs, sha256
 from tests.helpers.known_secrets import remember
 from tests.helpers.proxy import FaultPlan, Proxy
 from tests.test_cache_engine import PART, Engine
@@ -84,13 +83,6 @@ def _node(
         env=env,
     )
     return m
-
-
-def _status(m: Mount) -> dict[str, Any]:
-    time.sleep(1.5)  # the status file is rewritten every second
-    res = run_objfs("status", str(m.path), "--json")
-    assert res.returncode == 0, res.stderr
-    return dict(json.loads(res.stdout))
 
 
 def _assert_no_signature(
@@ -293,7 +285,7 @@ def test_two_nodes_loading_at_once_fetch_the_blobs_once_from_the_origin(
     sent = origin.stats.response_bytes
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the blobs"
     for m in nodes:
-        status = _status(m)["cache_engine"]
+        status = fresh_status(m.path)["cache_engine"]
         assert status["bytes_via_engine"] == total
         assert status["failures"] == 0
         assert status["bytes_direct"] == 0
@@ -312,7 +304,7 @@ def test_a_sas_token_credential_goes_through_the_engine_as_it_is(
     m = _node(mount_az, container, origin, engine, "a", tmp_path, env=env)
     assert "AZURE_STORAGE_SAS_TOKEN" in m.log()  # the credential source is named
     assert sha256((m.path / "w.bin").read_bytes()) == sha256(data)
-    status = _status(m)["cache_engine"]
+    status = fresh_status(m.path)["cache_engine"]
     assert status["bytes_via_engine"] == len(data)
     assert status["failures"] == 0
     assert status["urls_signed"] == 0  # the user's SAS, not one objfs signed
@@ -330,7 +322,7 @@ def test_the_engine_killed_in_the_middle_of_a_load_costs_no_error(
         engine.kill()
         rest = f.read()
     assert sha256(head + rest) == sha256(data)
-    status = _status(m)["cache_engine"]
+    status = fresh_status(m.path)["cache_engine"]
     assert status["failures"] >= 1
     assert status["bytes_direct"] > 0
     assert status["bytes_via_engine"] > 0
@@ -353,11 +345,11 @@ def test_a_replaced_blob_is_never_served_the_old_versions_bytes(
     time.sleep(1.5)  # past node a's metadata TTL
     assert sha256((a.path / "r.bin").read_bytes()) == sha256(new)
     for m in (a, b):
-        status = _status(m)["cache_engine"]
+        status = fresh_status(m.path)["cache_engine"]
         assert status["failures"] == 0
         assert status["bytes_via_engine"] > 0
     # b read the new version through the engine only: its bytes were never a's cached ones.
-    assert _status(b)["cache_engine"]["bytes_via_engine"] == len(new)
+    assert fresh_status(b.path)["cache_engine"]["bytes_via_engine"] == len(new)
 
 
 def test_a_blob_replaced_under_an_open_handle_is_stale_and_the_engine_not_blamed(
@@ -377,7 +369,7 @@ def test_a_blob_replaced_under_an_open_handle_is_stale_and_the_engine_not_blamed
             f.read(MiB)
         assert caught.value.errno == errno.ESTALE
     assert '" 412 ' in engine.access_log()
-    status = _status(m)["cache_engine"]
+    status = fresh_status(m.path)["cache_engine"]
     assert status["failures"] == 0
     assert status["bytes_direct"] > 0
     assert "reading from the store directly" not in m.log()
@@ -399,7 +391,7 @@ def test_an_engine_that_serves_another_version_is_caught_by_the_etag_check(
         b = _node(mount_az, container, origin, engine, "b", tmp_path, via=gateway.url)
         assert sha256((b.path / "v.bin").read_bytes()) == sha256(new)
         assert gateway.injected["dropped if-match"] > 0
-    status = _status(b)["cache_engine"]
+    status = fresh_status(b.path)["cache_engine"]
     assert status["failures"] >= 1
     assert status["bytes_direct"] > 0
     assert "it answered another version" in b.log()
@@ -434,7 +426,7 @@ def test_a_broken_engine_reply_is_never_used(
         )
         assert sha256((m.path / "f.bin").read_bytes()) == sha256(data)
         assert gateway.injected[fault] >= 1
-    status = _status(m)["cache_engine"]
+    status = fresh_status(m.path)["cache_engine"]
     assert status["failures"] >= 1
     assert status["bytes_direct"] > 0
     assert "reading from the store directly" in m.log()
@@ -451,7 +443,7 @@ def test_no_signature_reaches_a_log_even_at_debug_level(
     # An engine failure is logged too: the SAS must not be in that line either.
     engine.kill()
     assert sha256((m.path / "e.bin").read_bytes()) == sha256(data[::-1])
-    status = _status(m)["cache_engine"]
+    status = fresh_status(m.path)["cache_engine"]
     assert status["failures"] >= 1
     assert "cache engine" in m.log()
     _assert_no_signature(engine, [m])

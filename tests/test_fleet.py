@@ -31,7 +31,14 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, load_at_once, mount_command, run_mount, run_objfs, sha256
+from tests.conftest import (
+    Mount,
+    fresh_status,
+    load_at_once,
+    mount_command,
+    run_mount,
+    sha256,
+)
 from tests.helpers import seaweedfs
 from tests.helpers.netns import Fabric, Host
 from tests.test_cache_engine import NGINX, render_conf
@@ -184,13 +191,6 @@ def _model() -> dict[str, bytes]:
     return files
 
 
-def _engine_status(m: Mount) -> dict[str, int]:
-    time.sleep(1.5)  # the status file is rewritten every second
-    res = run_objfs("status", str(m.path), "--json")
-    assert res.returncode == 0, res.stderr
-    return dict(json.loads(res.stdout)["cache_engine"])
-
-
 def test_four_nodes_loading_at_once_fetch_the_model_about_once(fleet: Fleet) -> None:
     files = _model()
     fleet.upload(files, "v1")
@@ -202,7 +202,7 @@ def test_four_nodes_loading_at_once_fetch_the_model_about_once(fleet: Fleet) -> 
     print(f"\nfour nodes through the engine: the origin sent {sent / total:.3f}x the model")
     assert sent <= 1.1 * total, f"the origin sent {sent / total:.2f}x the model"
     for m in mounts:
-        status = _engine_status(m)
+        status = fresh_status(m.path)["cache_engine"]
         assert status["bytes_via_engine"] == total, status
         assert status["failures"] == 0, status
     # Both instances' caches stored slices, and served some of them again.
@@ -242,7 +242,7 @@ def test_the_engine_killed_in_the_middle_of_the_loads_costs_no_error(fleet: Flee
     loads.join(timeout=300)
     assert not loads.is_alive()
     assert errors == []
-    statuses = [_engine_status(m) for m in mounts]
+    statuses = [fresh_status(m.path)["cache_engine"] for m in mounts]
     assert sum(s["failures"] for s in statuses) >= 1, statuses
     assert sum(s["bytes_direct"] for s in statuses) > 0, statuses
     for m, s in zip(mounts, statuses, strict=True):
@@ -277,7 +277,7 @@ def test_a_url_that_expires_during_a_load_is_signed_again_first(fleet: Fleet) ->
     started = time.monotonic()
     assert sha256((m.path / "big.bin").read_bytes()) == sha256(data)
     took = time.monotonic() - started
-    status = _engine_status(m)
+    status = fresh_status(m.path)["cache_engine"]
     assert took > 6, f"the load took {took:.1f} s: too short to outlive a URL"
     assert status["failures"] == 0, status
     assert status["urls_signed"] >= 3, status

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Mount, put_many, run_objfs, sha256
+from tests.conftest import Mount, fresh_status, put_many, run_objfs, sha256
 
 MiB = 1 << 20
 KERNEL = ("--fuse-transport", "kernel")
@@ -209,15 +209,8 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
     with run_mount([*cmd, *KERNEL], mountpoint, tmp_path / "mount.out") as m:
         assert "FUSE passthrough off" not in (tmp_path / "objfs.log").read_text()
 
-        def fuse_status() -> dict[str, Any]:
-            """The daemon's figures, once its status file was rewritten (every second)."""
-            time.sleep(1.5)
-            status = run_objfs("status", str(m.path), "--json")
-            assert status.returncode == 0, status.stderr
-            return dict(json.loads(status.stdout))
-
         def reads() -> int:
-            return int(fuse_status()["served"]["reads"])
+            return int(fresh_status(m.path)["served"]["reads"])
 
         # other.bin: opened (cached mode) before it is whole; stays cached while open.
         held = open(m.path / "other.bin", "rb")  # noqa: SIM115
@@ -233,7 +226,7 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
                 assert fp.read(MiB) == data[5 * MiB + 3 : 6 * MiB + 3]
             assert os.stat(m.path / "w.safetensors").st_size == len(data)
             assert reads() == before  # the kernel read the cache file, not the daemon
-            fuse = fuse_status()["fuse"]
+            fuse = fresh_status(m.path)["fuse"]
             assert "PASSTHROUGH" in fuse["flags"]
             assert fuse["passthrough_opens"] == 2  # read_bytes, and the mmap's and seek's open
             assert held.read() == other
@@ -245,7 +238,7 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
         warmed = run_objfs("warm", "--cache-only", str(m.path / "other.bin"))
         assert warmed.returncode == 0, warmed.stderr
         assert (m.path / "other.bin").read_bytes() == other
-        assert fuse_status()["fuse"]["passthrough_opens"] == 2
+        assert fresh_status(m.path)["fuse"]["passthrough_opens"] == 2
 
 
 def test_a_killed_daemon_leaves_passthrough_readers_reading_their_version(
@@ -313,17 +306,9 @@ def _end(
         proc.wait()
 
 
-def _status(path: Path) -> dict[str, Any]:
-    """The daemon's figures once its status file was rewritten (every second)."""
-    time.sleep(1.5)
-    status = run_objfs("status", str(path), "--json")
-    assert status.returncode == 0, status.stderr
-    return dict(json.loads(status.stdout))
-
-
 def _served_reads(path: Path) -> tuple[int, int]:
     """(READs the daemon answered, opens it answered by passthrough) on the mount at path."""
-    status = _status(path)
+    status = fresh_status(path)
     return int(status["served"]["reads"]), int(status["fuse"]["passthrough_opens"])
 
 
@@ -360,7 +345,7 @@ def test_a_damaged_block_in_the_disk_cache_is_read_normally_then_repaired_then_p
         wait_mounted(mountpoint, first, log_path)
         assert sha256((mountpoint / "d.bin").read_bytes()) == sha256(data)
         deadline = time.monotonic() + 30
-        while _status(mountpoint)["disk"]["writes"] < 6:  # all 6 blocks on disk
+        while fresh_status(mountpoint)["disk"]["writes"] < 6:  # all 6 blocks on disk
             assert time.monotonic() < deadline, "the blocks never reached the disk cache"
         first.kill()  # before the end of the mount, where it would record them as checked
         first.wait(timeout=30)
@@ -441,7 +426,7 @@ def test_a_passthrough_handle_keeps_its_version_through_a_replacement_and_an_evi
         old_file = _version_file(tmp_path / "cache", len(old))
         with open(m.path / "a.bin", "rb", buffering=0) as held:
             assert held.read(MiB) == old[:MiB]
-            status = _status(m.path)
+            status = fresh_status(m.path)
             assert status["fuse"]["passthrough_opens"] == 1
             served = int(status["served"]["bytes"])
             s3.put_object(Bucket=bucket, Key="m/a.bin", Body=new)
@@ -454,7 +439,7 @@ def test_a_passthrough_handle_keeps_its_version_through_a_replacement_and_an_evi
                 assert sha256(mapped[:]) == sha256(old)
         # The daemon served the new version and the filler (once each: the page cache keeps
         # them), and none of the held handle's old bytes.
-        assert int(_status(m.path)["served"]["bytes"]) - served == len(new) + len(filler)
+        assert int(fresh_status(m.path)["served"]["bytes"]) - served == len(new) + len(filler)
 
 
 @pytest.mark.parametrize("how", ["lazy", "abort"])
