@@ -4,9 +4,10 @@ options, for every front end.
 Contract: :func:`build_parser` is the only declaration of an option. The command
 (:mod:`objfs.cli`), the fstab helper (:mod:`objfs.mount_helper`), the environment sidecar
 (:mod:`objfs.sidecar`), the fd sidecar (:mod:`objfs.sidecar_fd`) and the CSI plugin
-(:mod:`objfs.csi.volume`) all take their option names from :func:`mount_options` and turn
-values into a :class:`~objfs.config.MountConfig` through :func:`mount_config`, so a front end
-cannot know an option the command does not, nor check a value differently. Where a flag arrives
+(:mod:`objfs.csi.volume`) all take their option names from :func:`mount_options`, and values
+become a :class:`~objfs.config.MountConfig` only through :func:`mount_config` (the CSI plugin
+calls it; the others run ``objfs mount``, which does), so a front end cannot know an option
+the command does not, nor check a value differently. Where a flag arrives
 as text (a volume attribute, an fd offer, an ``OBJFS_*`` variable), it is spelled ``true`` or
 ``false`` (:func:`parse_boolean`), and nothing else. Nothing here contacts a store or starts a
 mount.
