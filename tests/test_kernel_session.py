@@ -157,6 +157,29 @@ async def test_an_interrupt_cancels_the_request_it_names(pipe: tuple[int, int]) 
     assert [(u, e) for u, e, _ in replies(r)] == [(41, -errno.EINTR)]
 
 
+async def test_an_interrupt_right_behind_its_request_is_never_lost(
+    pipe: tuple[int, int],
+) -> None:
+    """As the reader thread hands them over: each LOOKUP and its INTERRUPT reach ``_arrived``
+    back to back, before the LOOKUP's task has run at all. Every one is cancelled (EINTR),
+    none waits out the 30 s listing. (Before the fix about half were not interrupted.)"""
+    r, w = pipe
+    backend = MemoryBackend(latency_s=30.0)
+    backend.put("p/a.bin", b"x")
+    session = make_session(backend)
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            for n in range(20):
+                unique = 100 + 2 * n
+                session._arrived(nursery, w, request(p.Opcode.LOOKUP, unique, ROOT_INODE, b"a\0"))
+                body = struct.pack("<Q", unique)
+                session._arrived(nursery, w, request(p.Opcode.INTERRUPT, unique + 1, 0, body))
+    assert sorted((u, e) for u, e, _ in replies(r)) == [
+        (100 + 2 * n, -errno.EINTR) for n in range(20)
+    ]
+    assert session._inflight == {}
+
+
 def test_the_transport_comes_from_the_option_then_the_environment(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -27,7 +27,12 @@ Invariants (tested against recorded request bytes and real mounts):
 * RELEASE, RELEASEDIR, FORGET and BATCH_FORGET are answered on arrival, in arrival order
   (:meth:`KernelSession._arrived`), so an OPEN after a close sees its release; READs enter the
   core in arrival order (:class:`~objfs.kernel.read_turns.ReadTurns`);
-* INTERRUPT cancels the request it names while it runs, which then answers EINTR;
+* INTERRUPT cancels the request it names while it runs, which then answers EINTR: a request's
+  cancel scope is registered when it arrives (:meth:`KernelSession._arrived`), before its task
+  starts, and an INTERRUPT is handled on arrival too, so one that arrives right behind its
+  request always finds it. An INTERRUPT that names no request in flight gets no reply: the
+  kernel sends one only for a request already read, and with one reader the request arrives
+  first, so the request has been answered already;
 * the loop ends cleanly on unmount (ENODEV), DESTROY or :meth:`stop`.
 """
 
@@ -87,7 +92,13 @@ _MUTATIONS = frozenset(
 _NO_REPLY = frozenset({p.Opcode.FORGET, p.Opcode.BATCH_FORGET, p.Opcode.INTERRUPT})
 # Requests answered as they arrive, without a task (see KernelSession._arrived).
 _AT_ONCE = frozenset(
-    {p.Opcode.RELEASE, p.Opcode.RELEASEDIR, p.Opcode.FORGET, p.Opcode.BATCH_FORGET}
+    {
+        p.Opcode.RELEASE,
+        p.Opcode.RELEASEDIR,
+        p.Opcode.FORGET,
+        p.Opcode.BATCH_FORGET,
+        p.Opcode.INTERRUPT,
+    }
 )
 
 
@@ -159,14 +170,19 @@ class KernelSession:
         run_sync_soon run in order, so requests are seen here in the order they arrived.
         Releases and forgets are answered at once: they never wait, and an OPEN that follows
         a close must see its release (passthrough needs an inode with no cached-mode open;
-        trio may start tasks spawned together in either order). READs are numbered: see
-        ReadTurns. Every other request becomes a task."""
+        trio may start tasks spawned together in either order), and an INTERRUPT must find
+        the request it names. READs are numbered: see ReadTurns. Every other request becomes
+        a task, its cancel scope registered here, before the task starts (an INTERRUPT read
+        right behind it would otherwise find nothing to cancel)."""
         opcode = struct.unpack_from("<I", data, 4)[0] if len(data) >= 8 else -1
         if opcode in _AT_ONCE:
             self._answer_at_once(fd, data)
             return
         seq = self._turns.number() if opcode == p.Opcode.READ else None
-        nursery.start_soon(self._handle, fd, data, seq)
+        scope = None
+        if len(data) >= p.IN_HEADER_SIZE and opcode not in _NO_REPLY:
+            scope = self._inflight[struct.unpack_from("<Q", data, 8)[0]] = trio.CancelScope()
+        nursery.start_soon(self._handle, fd, data, seq, scope)
 
     def _poller(self, fd: int) -> select.poll:
         poller = select.poll()
@@ -266,16 +282,31 @@ class KernelSession:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
-    async def _handle(self, fd: int, data: bytes, seq: int | None = None) -> None:
+    async def _handle(
+        self,
+        fd: int,
+        data: bytes,
+        seq: int | None = None,
+        scope: trio.CancelScope | None = None,
+    ) -> None:
         """Parse one request, run its handler, write its reply (see the invariants). ``seq``:
-        the number of a READ (see ReadTurns), given up if the READ never takes its turn."""
+        the number of a READ (see ReadTurns), given up if the READ never takes its turn.
+        ``scope``: the request's cancel scope, registered in ``_inflight`` on arrival (None:
+        registered here, for a request that did not come through ``_arrived``)."""
+        unique = struct.unpack_from("<Q", data, 8)[0] if len(data) >= p.IN_HEADER_SIZE else None
+        if scope is None and unique is not None:
+            scope = self._inflight.setdefault(unique, trio.CancelScope())
         try:
-            await self._handle_request(fd, data, seq)
+            await self._handle_request(fd, data, seq, scope or trio.CancelScope())
         finally:
             if seq is not None:
                 self._turns.give_up(seq)
+            if unique is not None and self._inflight.get(unique) is scope:
+                del self._inflight[unique]
 
-    async def _handle_request(self, fd: int, data: bytes, seq: int | None) -> None:
+    async def _handle_request(
+        self, fd: int, data: bytes, seq: int | None, scope: trio.CancelScope
+    ) -> None:
         try:
             request = rq.parse(data)
         except rq.ProtocolError as exc:
@@ -290,8 +321,7 @@ class KernelSession:
             self._no_reply(request)
             return
         reply: Sequence[bytes | bytearray | memoryview]
-        with trio.CancelScope() as scope:
-            self._inflight[header.unique] = scope
+        with scope:
             try:
                 if op == p.Opcode.READ and isinstance(request.args, rq.Read):
                     await self._read(fd, header.unique, request.args, seq)
@@ -303,8 +333,6 @@ class KernelSession:
             except Exception:
                 log.exception("unexpected error in %s; answering EIO", _name(op))
                 reply = [rp.reply_error(header.unique, errno.EIO)]
-            finally:
-                del self._inflight[header.unique]
         if scope.cancelled_caught:
             if self._stopping.is_set():
                 return
@@ -335,8 +363,8 @@ class KernelSession:
         self._writers.submit(fd, [rp.out_header(unique, nbytes), *parts], holds)
 
     def _answer_at_once(self, fd: int, data: bytes) -> None:
-        """(trio thread, in arrival order) RELEASE, RELEASEDIR, FORGET, BATCH_FORGET: no
-        await in them, so they are answered here rather than in a task."""
+        """(trio thread, in arrival order) RELEASE, RELEASEDIR, FORGET, BATCH_FORGET,
+        INTERRUPT: no await in them, so they are answered here rather than in a task."""
         try:
             request = rq.parse(data)
         except rq.ProtocolError as exc:
