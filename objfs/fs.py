@@ -44,6 +44,9 @@ from objfs.readahead import Readahead
 from objfs.reads import ReadPath
 from objfs.scheduler import Fetcher, ceil_div
 
+# Passthrough checks of different versions that may run at once (see whole_on_disk).
+_WHOLE_CHECKS = 2
+
 
 class FileSystem:
     """Read-only tree over one backend. Call :meth:`start` with a nursery before reading."""
@@ -99,6 +102,11 @@ class FileSystem:
         self._handles: dict[int, Handle] = {}
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
+        # Passthrough checks (see whole_on_disk): one per version at a time, on threads of
+        # their own (a first check reads a whole version; ordinary disk reads never wait
+        # behind it).
+        self._whole_checks: dict[tuple[str, str], trio.Lock] = {}
+        self._whole_limiter = trio.CapacityLimiter(_WHOLE_CHECKS)
         self.empty_source = False  # SOURCE held no object at mount (see mount.serve_async)
 
     def start(self, nursery: trio.Nursery) -> None:
@@ -169,10 +177,16 @@ class FileSystem:
         self._next_fh += 1
         return fh
 
-    async def whole_on_disk(self, inode: int) -> str | None:
-        """The disk tier's file that holds exactly this file version's bytes, verified, for
-        the kernel to read itself (FUSE passthrough); None when there is none (see
-        :meth:`objfs.disk_cache.DiskCache.whole_version_file`)."""
+    async def whole_on_disk(self, inode: int) -> int | None:
+        """A read-only descriptor (the caller's to close) of the disk tier's file that holds
+        exactly this file version's bytes, verified, for the kernel to read itself (FUSE
+        passthrough); None when there is none (see
+        :meth:`objfs.disk_cache.DiskCache.open_whole_version`).
+
+        Concurrent opens of one version wait for one check (vLLM's ranks open a shard
+        together; a first check reads the version whole): the others then find it verified.
+        Checks run under a limiter of their own, not the disk-read limiter that the read
+        path and the read-ahead share."""
         node = self.node(inode)
         if node.is_dir or node.size == 0 or self.disk is None or not self.disk.enabled:
             return None
@@ -181,13 +195,20 @@ class FileSystem:
             # holds those bytes, and a passthrough open would read them from disk again (a
             # warm reload took 3.6 s instead of 0.3 s).
             return None
-        return await trio.to_thread.run_sync(
-            self.disk.whole_version_file,
-            node.key,
-            node.etag,
-            node.size,
-            limiter=self.fetcher.disk_read_limiter,
-        )
+        version = (node.key, node.etag)
+        lock = self._whole_checks.setdefault(version, trio.Lock())
+        try:
+            async with lock:
+                return await trio.to_thread.run_sync(
+                    self.disk.open_whole_version,
+                    node.key,
+                    node.etag,
+                    node.size,
+                    limiter=self._whole_limiter,
+                )
+        finally:
+            if not lock.locked() and self._whole_checks.get(version) is lock:
+                del self._whole_checks[version]
 
     async def open(self, inode: int, flags: int, *, prefetch: bool = True) -> tuple[int, bool]:
         """Open for reading; returns (fh, keep_cache). ``prefetch=False``: the kernel reads

@@ -101,6 +101,8 @@ class Telemetry:
             **negotiated.as_dict(),
             "passthrough": bool(getattr(self.ops, "passthrough", False)),
             "passthrough_opens": int(getattr(self.ops, "passthrough_opens", 0)),
+            # Why the kernel refused a backing file for good (passthrough then off), or None.
+            "passthrough_refused": getattr(self.ops, "passthrough_refused", None),
         }
 
     def snapshot(self) -> dict[str, Any]:

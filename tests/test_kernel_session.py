@@ -14,8 +14,10 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import subprocess
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import trio
@@ -199,19 +201,29 @@ def test_the_transport_comes_from_the_option_then_the_environment(
 # -- the open inodes' modes (objfs.kernel.passthrough.OpenInodes), without a kernel ---------------
 
 
+def _is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
 def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """One backing id per inode, registered once, closed after the last release; an open that
-    finds no version file (it left the disk cache) still gets the inode's backing id, since
-    the kernel refuses a cached open of a passthrough inode and an inode is one version."""
+    """One backing id per inode, registered once from the descriptor it was handed (which
+    is always closed), closed after the last release; an open that finds no version file (it
+    left the disk cache) still gets the inode's backing id, since the kernel refuses a cached
+    open of a passthrough inode and an inode is one version."""
     from objfs.kernel import passthrough
 
-    registered: list[str] = []
+    registered: list[int] = []
     closed: list[int] = []
 
-    def register(dev_fd: int, path: str) -> int:
-        registered.append(path)
+    def register(dev_fd: int, backing_fd: int) -> int:
+        assert _is_open(backing_fd)
+        registered.append(backing_fd)
         return 40 + len(registered)
 
     monkeypatch.setattr(passthrough, "_register", register)
@@ -223,11 +235,14 @@ def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
 
     monkeypatch.setattr(passthrough.fcntl, "ioctl", ioctl)
     inodes = passthrough.OpenInodes()
-    assert inodes.opened(9, 5, "/cache/v1") == 41
+    a, b, c, d = os.pipe() + os.pipe()
+    assert inodes.opened(9, 5, a) == 41
     assert inodes.by_passthrough(5)
     assert inodes.opened(9, 5, None) == 41  # the version's file is gone: the same backing
-    assert inodes.opened(9, 5, "/cache/v1") == 41
-    assert registered == ["/cache/v1"]
+    assert inodes.opened(9, 5, b) == 41
+    assert registered == [a]
+    assert not _is_open(a)
+    assert not _is_open(b)
     for _ in range(2):
         inodes.released(9, 5)
         assert closed == []
@@ -237,13 +252,78 @@ def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
     # A cached inode stays cached while open, whatever file appears meanwhile.
     assert inodes.opened(9, 6, None) is None
     assert inodes.cached(6)
-    assert inodes.opened(9, 6, "/cache/v2") is None
-    assert registered == ["/cache/v1"]
+    assert inodes.opened(9, 6, c) is None
+    assert not _is_open(c)
+    assert registered == [a]
 
-    # A refused registration serves the open cached.
-    def refuse(dev_fd: int, path: str) -> int:
-        raise OSError(errno.EPERM, "not permitted")
+    # A registration refused for want of memory serves that open cached, and the next
+    # file is tried again.
+    def short_of_memory(dev_fd: int, backing_fd: int) -> int:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(passthrough, "_register", refuse)
-    assert inodes.opened(9, 7, "/cache/v3") is None
+    monkeypatch.setattr(passthrough, "_register", short_of_memory)
+    assert inodes.opened(9, 7, d) is None
     assert inodes.cached(7)
+    assert inodes.refused is None
+    assert not _is_open(d)
+
+
+def test_a_refusal_for_every_file_turns_passthrough_off_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A cache directory on overlayfs (the kernel's ELOOP) refuses every file alike: the
+    first refusal turns passthrough off for the mount with one warning, and no later open
+    asks the kernel again (before: a warning per file, every open refused)."""
+    from objfs.kernel import passthrough
+
+    tries: list[int] = []
+
+    def too_deep(dev_fd: int, backing_fd: int) -> int:
+        tries.append(backing_fd)
+        raise OSError(errno.ELOOP, "Too many levels of symbolic links")
+
+    monkeypatch.setattr(passthrough, "_register", too_deep)
+    inodes = passthrough.OpenInodes()
+    fds = [fd for _ in range(3) for fd in os.pipe()][:5]
+    with caplog.at_level("INFO", logger="objfs.kernel.session"):
+        for inode, fd in enumerate(fds, start=10):
+            assert inodes.opened(9, inode, fd) is None
+            assert inodes.cached(inode)
+            assert not _is_open(fd)
+    assert len(tries) == 1
+    warnings = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "passthrough off for this mount" in warnings[0].getMessage()
+    assert "put --cache-dir on a volume" in warnings[0].getMessage()
+    assert inodes.refused is not None
+
+
+def test_max_stack_depth_is_raised_for_a_cache_directory_on_overlayfs(tmp_path: Path) -> None:
+    """A cache directory on overlayfs (a container's root): INIT asks for max_stack_depth 2,
+    so that the kernel takes its files as backing files (with 1 it refuses them, ELOOP)."""
+    from objfs.kernel.negotiation import negotiate
+    from objfs.kernel.passthrough import backing_stack_depth
+    from objfs.kernel.requests import Init
+
+    assert backing_stack_depth(str(tmp_path)) == 0
+    dirs = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
+    for d in dirs.values():
+        d.mkdir()
+    options = f"lowerdir={dirs['lower']},upperdir={dirs['upper']},workdir={dirs['work']}"
+    made = subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", options, str(dirs["merged"])],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount overlayfs here: {made.stderr.strip()}")
+    try:
+        assert backing_stack_depth(str(dirs["merged"])) == 1
+    finally:
+        subprocess.run(["umount", str(dirs["merged"])], check=True)
+    init = Init(7, 45, 131072, p.PASSTHROUGH | p.INIT_EXT)
+    for depth, expected in ((0, 1), (1, 2)):
+        raw, _ = negotiate(
+            init, pages_limit=256, max_background=64, passthrough=True, backing_depth=depth
+        )
+        assert struct.unpack_from("<I", raw, 36)[0] == expected

@@ -241,6 +241,50 @@ def test_passthrough_serves_a_version_whole_in_the_disk_cache(
         assert fresh_status(m.path)["fuse"]["passthrough_opens"] == 2
 
 
+def test_passthrough_serves_from_a_cache_directory_on_overlayfs(
+    s3: Any, s3_server: Any, bucket: str, tmp_path: Path
+) -> None:
+    """The cache directory on overlayfs (a container's root file system): the kernel takes
+    its files as backing files (INIT asks for max_stack_depth 2), so a warmed file is read by
+    the kernel with no READ reaching the daemon, bytes exact, and nothing is refused (before:
+    every open refused with ELOOP, a warning per file)."""
+    from tests.conftest import cached_mount_command, run_mount
+
+    layers = {name: tmp_path / f"ovl-{name}" for name in ("lower", "upper", "work")}
+    for d in layers.values():
+        d.mkdir()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    options = f"lowerdir={layers['lower']},upperdir={layers['upper']},workdir={layers['work']}"
+    made = subprocess.run(
+        ["mount", "-t", "overlay", "overlay", "-o", options, str(cache)],
+        capture_output=True,
+        text=True,
+    )
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount overlayfs here: {made.stderr.strip()}")
+    try:
+        files = {f"m/s{i}.bin": os.urandom(2 * MiB + 4097 * i) for i in range(3)}
+        put_many(s3, bucket, files)
+        cmd, mountpoint = cached_mount_command(f"s3://{bucket}/m", tmp_path, s3_server.url)
+        with run_mount([*cmd, *KERNEL], mountpoint, tmp_path / "mount.out") as m:
+            for key in files:
+                warmed = run_objfs("warm", "--cache-only", str(m.path / key[2:]))
+                assert warmed.returncode == 0, warmed.stderr
+            before = int(fresh_status(m.path)["served"]["reads"])
+            for key, data in files.items():
+                assert sha256((m.path / key[2:]).read_bytes()) == sha256(data), key
+            status = fresh_status(m.path)
+            assert int(status["served"]["reads"]) == before  # the kernel read the cache files
+            assert status["fuse"]["passthrough_opens"] == len(files)
+            assert status["fuse"]["passthrough_refused"] is None
+        log_text = (tmp_path / "objfs.log").read_text()
+        assert "refused" not in log_text
+        assert "max_stack_depth 2" in log_text
+    finally:
+        subprocess.run(["umount", str(cache)], check=False)
+
+
 def test_a_killed_daemon_leaves_passthrough_readers_reading_their_version(
     s3: Any, s3_server: Any, bucket: str, tmp_path: Path
 ) -> None:

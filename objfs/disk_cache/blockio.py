@@ -16,9 +16,11 @@ Contract:
   and one ``pwrite`` of its entries; a read run one table ``pread`` and one ``preadv``.
 * O_DIRECT I/O goes straight from or into the caller's buffer when it is a page-aligned,
   writable buffer of whole pages (the block cache's pooled mmaps), else through a small pool of
-  page-aligned buffers and one copy. Bytes returned as ``bytes`` never alias a pooled buffer.
-  Where O_DIRECT is refused (EINVAL at open, ``versions.py``, or at the I/O: tmpfs, some network
-  file systems) the tier switches to buffered I/O for good.
+  page-aligned buffers and one copy. A write never pads: the bytes of an object's last block
+  past its last whole page go through a buffered descriptor, so a data file never grows past
+  its object's size (FUSE passthrough serves the file as it is). Bytes returned as ``bytes``
+  never alias a pooled buffer. Where O_DIRECT is refused (EINVAL at open, ``versions.py``, or
+  at the I/O: tmpfs, some network file systems) the tier switches to buffered I/O for good.
 """
 
 from __future__ import annotations
@@ -210,7 +212,7 @@ class BlockIO(VersionStore):
             os.pwrite(files.index_fd, NO_ENTRY, v.table_offset + index * ENTRY.size)
         clear_stamp(files.index_fd, v)  # no longer verified whole
         with self._lock:
-            self._verified.discard(v.digest)
+            self._verified.pop(v.digest, None)
             found = self._checked.get(v.digest)
             if found is not None:
                 found[2].discard(index)
@@ -224,7 +226,13 @@ class BlockIO(VersionStore):
         hashes = [block_hash(view) for view in views]
         total = (len(views) - 1) * self.block_size + len(views[-1])
         written = -1
-        if self._use_direct(files):
+        tail = views[-1]
+        if self._use_direct(files) and len(tail) % PAGE:
+            # An object's last block, short of a page: O_DIRECT would pad it to a page and
+            # grow the file past the object's end (a passthrough reader would read the
+            # zeros). The whole pages go direct, the rest through a buffered descriptor.
+            written = self._write_tail(files, views, offset)
+        elif self._use_direct(files):
             capable = [_direct_capable(view) for view in views]
             with self._aligned_buffers(capable.count(False)) as pool:
                 spare = iter(pool)
@@ -233,11 +241,9 @@ class BlockIO(VersionStore):
                     if as_is:
                         iov.append(view)  # the caller's page-aligned buffer: no copy
                         continue
-                    padded = round_up(len(view), PAGE)
-                    buf = memoryview(next(spare))
-                    buf[: len(view)] = view
-                    buf[len(view) : padded] = bytes(padded - len(view))
-                    iov.append(buf[:padded])
+                    buf = memoryview(next(spare))[: len(view)]  # whole pages (see above)
+                    buf[:] = view
+                    iov.append(buf)
                 try:
                     written = os.pwritev(files.data_fd, iov, offset)
                 except OSError as exc:
@@ -258,6 +264,44 @@ class BlockIO(VersionStore):
         if written < total:
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return whole
+
+    def _write_tail(self, files: Files, views: list[memoryview], offset: int) -> int:
+        """Write ``views`` (the last one short of a page) at ``offset`` without growing the
+        data file past their end: every view but the last, and the last one's whole pages,
+        with O_DIRECT; its remainder through a buffered descriptor of the same file. Returns
+        the bytes written from ``offset`` (short: a full disk)."""
+        tail = views[-1]
+        pages = len(tail) - len(tail) % PAGE
+        head = [*views[:-1], tail[:pages]] if pages else views[:-1]
+        written = 0
+        if head:
+            head_bytes = sum(len(view) for view in head)
+            capable = [_direct_capable(view) for view in head]
+            with self._aligned_buffers(capable.count(False)) as pool:
+                spare = iter(pool)
+                iov = []
+                for view, as_is in zip(head, capable, strict=True):
+                    if as_is:
+                        iov.append(view)  # the caller's page-aligned buffer: no copy
+                    else:
+                        staged = memoryview(next(spare))[: len(view)]
+                        staged[:] = view
+                        iov.append(staged)
+                try:
+                    written = os.pwritev(files.data_fd, iov, offset)
+                except OSError as exc:
+                    if exc.errno != errno.EINVAL:
+                        raise
+                    self._no_direct(files)
+                    return int(os.pwritev(files.data_fd, views, offset))
+            if written < head_bytes:
+                return written
+        # The same inode as files.data_fd (the path may name a newer file by now).
+        fd = os.open(f"/proc/self/fd/{files.data_fd}", os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            return written + os.pwrite(fd, tail[pages:], offset + written)
+        finally:
+            os.close(fd)
 
     # -- O_DIRECT --------------------------------------------------------------------------
 

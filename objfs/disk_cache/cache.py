@@ -9,10 +9,13 @@ Contract:
   blocks) -> count`` stores a run of consecutive blocks, or fewer (see ``space.py`` for when
   none); ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
   ``missing_bytes(key, etag, lengths)`` says how much of a version the table does not list.
-* ``whole_version_file`` names a data file for FUSE passthrough only when it holds exactly the
+* ``open_whole_version`` opens a data file for FUSE passthrough only when it holds exactly the
   object's bytes and every block was checked against its hash once for this cache (by this
   process, or recorded in the table, ``stamp.py``); ``seal`` records that without reading a
-  byte when this process checked every block as it wrote or read it.
+  byte when this process checked every block as it wrote or read it. A data file never grows
+  past its object's size, and a block the table lists is never written again (another mount
+  sharing the directory may be serving the file by passthrough); a descriptor handed out for
+  passthrough counts as a use for eviction.
 * With the tier off (``enabled`` false) every read is a miss and every write stores nothing.
 """
 
@@ -36,6 +39,7 @@ from objfs.disk_cache.layout import (
 from objfs.disk_cache.ledger import estimate
 from objfs.disk_cache.space import SpaceKeeper
 from objfs.disk_cache.stamp import current_stamp, first_bad_block, record_stamp, stamp_recorded
+from objfs.disk_cache.versions import Files
 
 log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
@@ -134,17 +138,30 @@ class DiskCache(BlockIO, SpaceKeeper):
             with self._lock:
                 self.skipped_full += len(views)
             return 0
-        stored = 0
+        stored = 0  # blocks on disk, counted from the first: listed before, or written now
+        written: list[int] = []  # indexes written (hashed as they went out) by this call
         landed = need  # what the write allocated: all it reserved, unless measured
         try:
             with self._use(v, create=True) as files:
                 if files is not None:  # None: its table kept turning out foreign
                     before = files.allocated()
                     try:
-                        spans = [(first_index + n, len(view)) for n, view in enumerate(views)]
+                        # A block the table lists is never written again: its bytes may be
+                        # under a passthrough reader (another mount sharing the directory).
+                        listed = self._listed(v, files, first_index, views)
+                        spans = [
+                            (first_index + n, len(view))
+                            for n, view in enumerate(views)
+                            if n not in listed
+                        ]
                         for start, stop in runs(spans, self.block_size):
-                            run = views[start:stop]
-                            stored += self._write_chunk(v, files, first_index + start, run)
+                            at = spans[start][0] - first_index
+                            stored = at  # the blocks before this run are listed
+                            run = views[at : at + stop - start]
+                            whole = self._write_chunk(v, files, first_index + at, run)
+                            written += range(first_index + at, first_index + at + whole)
+                            stored += whole
+                        stored = len(views)
                     finally:
                         after = files.allocated()
                         landed = after - before
@@ -159,10 +176,25 @@ class DiskCache(BlockIO, SpaceKeeper):
             except OSError as exc:
                 self._failed("settling the size ledger in", self.root, exc)
         with self._lock:
-            self.writes += stored
-            if stored:
-                self._checked_blocks(v, key, etag).update(range(first_index, first_index + stored))
+            self.writes += len(written)
+            if written:
+                self._checked_blocks(v, key, etag).update(written)
         return stored
+
+    def _listed(
+        self, v: Version, files: Files, first: int, views: Sequence[memoryview]
+    ) -> set[int]:
+        """Which of blocks ``first``, ``first + 1``, ... (``views``: their bytes) the table
+        lists already with their length, as positions in ``views``."""
+        table = os.pread(
+            files.index_fd, len(views) * ENTRY.size, v.table_offset + first * ENTRY.size
+        )
+        listed = set()
+        for n, view in enumerate(views):
+            found = decode_entry(table[n * ENTRY.size : (n + 1) * ENTRY.size], first + n)
+            if found is not None and found.intact and found.length == len(view):
+                listed.add(n)
+        return listed
 
     def checked_versions(self) -> list[tuple[str, str]]:
         """(key, etag) of the versions this process wrote or read blocks of."""
@@ -173,7 +205,7 @@ class DiskCache(BlockIO, SpaceKeeper):
 
     def seal(self, key: str, etag: str, size: int) -> bool:
         """Record version (key, etag) of ``size`` bytes as verified whole for passthrough
-        (``STAMP``, see whole_version_file) when this process checked every one of its
+        (``STAMP``, see open_whole_version) when this process checked every one of its
         blocks (wrote them, hashed as they went out, or read them back intact): no read of
         its bytes, here or in the next process. The data is synced to disk first. True when
         the version is recorded (now or before); False when a block is missing or was not
@@ -184,26 +216,48 @@ class DiskCache(BlockIO, SpaceKeeper):
         count = (size + self.block_size - 1) // self.block_size
         if v.digest not in self._verified and not self._covered(v, count):
             return False
-        return self.whole_version_file(key, etag, size) is not None
+        fd = self.open_whole_version(key, etag, size)
+        if fd is None:
+            return False
+        os.close(fd)
+        return True
 
     def whole_version_file(self, key: str, etag: str, size: int) -> str | None:
-        """The data file of version (key, etag) when it holds exactly the object's ``size``
-        bytes, for the kernel to serve by FUSE passthrough (which checks no hash); else None.
+        """The path of the data file :meth:`open_whole_version` would hand out, for tools and
+        tests (passthrough registers the descriptor, never a path: the path may name a newer
+        file by the time it is opened)."""
+        fd = self.open_whole_version(key, etag, size)
+        if fd is None:
+            return None
+        os.close(fd)
+        return self._version(key, etag).data_path
 
-        Exactly: every block is listed in the table; the file is cut to ``size`` (an O_DIRECT
-        write pads the last block to a page), so it has no padding past the object's end, and
-        no holes (block ``i`` fills ``[i * block_size, ...)``); and every block was checked
-        against its hash once for this disk cache: written by this process (hashed as it went
-        out) or read back intact by it, else read and verified now (a damaged block is
-        dropped, so normal reads fetch and rewrite it, and this answers None). The check is
-        recorded in the table file (``STAMP``: the data file's inode and size and a hash of
-        the table) after the data is synced to disk, so a remount serves the version with no
-        read of its bytes; dropping a block, rewriting the table, replacing or resizing the
-        file voids the record, and the next call verifies again. What the record cannot see
-        is damage to the data on disk afterwards: passthrough reads it as any local file is
-        read, while normal reads still check every block. Blocks that are listed are never
-        written again, so the bytes under a passthrough file do not change; eviction unlinks
-        the file, and the kernel keeps reading the unlinked one."""
+    def open_whole_version(self, key: str, etag: str, size: int) -> int | None:
+        """A read-only descriptor (the caller's to close) of the data file of version (key,
+        etag) when it holds exactly the object's ``size`` bytes, for the kernel to serve by
+        FUSE passthrough (which checks no hash); else None. The checks below are made on
+        that descriptor's file, so the file checked is the file handed out even if the
+        version is evicted and created again meanwhile.
+
+        Exactly: every block is listed in the table; the file is ``size`` bytes long (writes
+        never pad it, ``blockio.py``; a longer file left by an older objfs is cut to size),
+        so it has nothing past the object's end, and no holes (block ``i`` fills ``[i *
+        block_size, ...)``); and every block was checked against its hash once for this disk
+        cache: written by this process (hashed as it went out) or read back intact by it,
+        else read and verified now (a damaged block is dropped, so normal reads fetch and
+        rewrite it, and this answers None). The check is recorded in the table file
+        (``STAMP``: the data file's inode and size and a hash of the table) after the data
+        is synced to disk, so a remount serves the version with no read of its bytes;
+        dropping a block, rewriting the table, replacing or resizing the file voids the
+        record, and the next call verifies again. What the record cannot see is damage to
+        the data on disk afterwards: passthrough reads it as any local file is read, while
+        normal reads still check every block. Blocks that are listed are never written
+        again (``write_blocks``), so the bytes under a passthrough file do not change;
+        eviction unlinks the file, and the kernel keeps reading the unlinked one.
+
+        A descriptor handed out is a use of the version, as a read is: it moves to the
+        recent end of the eviction order (and its mtime, the order other processes and
+        restarts see, is touched at most once a minute)."""
         if not self.enabled or size <= 0:
             return None
         bs = self.block_size
@@ -212,33 +266,56 @@ class DiskCache(BlockIO, SpaceKeeper):
             return None
         v = self._version(key, etag)
         try:
-            st = os.stat(v.data_path)
-            if st.st_size > size:
-                os.truncate(v.data_path, size)
-            elif st.st_size < size:
-                return None
+            fd = os.open(v.data_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
-        if v.digest not in self._verified:
-            stamp = current_stamp(v, len(lengths))
-            if stamp is None or not stamp_recorded(v, stamp):
-                if not self._covered(v, len(lengths)):
-                    log.info("disk cache: checking %s before its first passthrough", v.data_path)
-                    bad = self._first_bad_block(v, lengths)
-                    if bad is not None:
-                        # Read it the usual way, which finds the damage and drops the block.
-                        self.read_blocks(key, etag, [bad], [lengths[bad]])
-                        return None
-                if stamp is not None:
-                    record_stamp(v, stamp)
-            with self._lock:
-                self._verified.add(v.digest)
-        return v.data_path
+        try:
+            if self._whole(key, etag, v, fd, lengths):
+                self._used_whole(v)
+                return fd
+        except OSError:
+            pass
+        os.close(fd)
+        return None
 
-    def _first_bad_block(self, v: Version, lengths: Sequence[int]) -> int | None:
-        """The first block of ``v`` whose bytes do not match its entry, read now (see
-        ``stamp.first_bad_block``); None when all do."""
-        return first_bad_block(v, lengths, self.block_size)
+    def _whole(self, key: str, etag: str, v: Version, fd: int, lengths: Sequence[int]) -> bool:
+        """Whether the data file open as ``fd`` holds exactly version ``v`` (see
+        open_whole_version), verified now if it was not before."""
+        size = sum(lengths)
+        st = os.fstat(fd)
+        if st.st_size > size:
+            os.truncate(f"/proc/self/fd/{fd}", size)  # that very file, not the path's
+            st = os.fstat(fd)
+        if st.st_size != size:
+            return False
+        with self._lock:
+            if self._verified.get(v.digest) == st.st_ino:
+                return True
+        stamp = current_stamp(v, len(lengths), fd)
+        if stamp is None or not stamp_recorded(v, stamp):
+            if not self._covered(v, len(lengths)):
+                log.info("disk cache: checking %s before its first passthrough", v.data_path)
+                bad = self._first_bad_block(v, fd, lengths)
+                if bad is not None:
+                    # Read it the usual way, which finds the damage and drops the block.
+                    self.read_blocks(key, etag, [bad], [lengths[bad]])
+                    return False
+            if stamp is not None:
+                record_stamp(v, stamp, fd)
+        with self._lock:
+            self._verified[v.digest] = st.st_ino
+        return True
+
+    def _used_whole(self, v: Version) -> None:
+        """A passthrough use of ``v``: recency, as a read of its blocks gives."""
+        with self._use(v, create=False) as files:
+            if files is not None:
+                self._account(v.digest, files, allocated=None)
+
+    def _first_bad_block(self, v: Version, fd: int, lengths: Sequence[int]) -> int | None:
+        """The first block of ``v`` (its data file open as ``fd``) whose bytes do not match
+        its entry, read now (see ``stamp.first_bad_block``); None when all do."""
+        return first_bad_block(v, fd, lengths, self.block_size)
 
     def _covered(self, v: Version, count: int) -> bool:
         """Whether this process checked every one of the ``count`` blocks of ``v``."""

@@ -23,13 +23,14 @@ from objfs.disk_cache.layout import ENTRY, STAMP, STAMP_MAGIC, Version, block_ha
 log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 
-def current_stamp(v: Version, count: int) -> bytes | None:
-    """What ``STAMP`` holds for ``v`` as its files are now (``count`` blocks); None when
-    there is no room for it in the header page or the files cannot be read."""
+def current_stamp(v: Version, count: int, data_fd: int) -> bytes | None:
+    """What ``STAMP`` holds for ``v`` as its files are now (``count`` blocks; the data file
+    open as ``data_fd``); None when there is no room for it in the header page or the files
+    cannot be read."""
     if len(v.header) > v.table_offset - STAMP.size:
         return None
     try:
-        st = os.stat(v.data_path)
+        st = os.fstat(data_fd)
         fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
         try:
             table = os.pread(fd, count * ENTRY.size, v.table_offset)
@@ -52,15 +53,11 @@ def stamp_recorded(v: Version, stamp: bytes) -> bool:
         return False
 
 
-def record_stamp(v: Version, stamp: bytes) -> None:
-    """Record a verification: the data synced first, so a crash cannot leave a record
-    over bytes that never reached the disk."""
+def record_stamp(v: Version, stamp: bytes, data_fd: int) -> None:
+    """Record a verification of the data file open as ``data_fd``: the data synced first,
+    so a crash cannot leave a record over bytes that never reached the disk."""
     try:
-        fd = os.open(v.data_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            os.fdatasync(fd)
-        finally:
-            os.close(fd)
+        os.fdatasync(data_fd)
         fd = os.open(v.index_path, os.O_WRONLY | os.O_CLOEXEC)
         try:
             os.pwrite(fd, stamp, v.table_offset - STAMP.size)
@@ -77,29 +74,31 @@ def clear_stamp(index_fd: int, v: Version) -> None:
             os.pwrite(index_fd, bytes(STAMP.size), v.table_offset - STAMP.size)
 
 
-def first_bad_block(v: Version, lengths: Sequence[int], block_size: int) -> int | None:
-    """The first block of ``v`` whose bytes (read buffered) do not match its table entry,
-    or None when all do. Any failure to read counts as block 0 being bad."""
+def first_bad_block(
+    v: Version, data_fd: int, lengths: Sequence[int], block_size: int
+) -> int | None:
+    """The first block of ``v`` whose bytes (read buffered from ``data_fd``, its data file)
+    do not match its table entry, or None when all do. Any failure to read counts as block 0
+    being bad."""
     bs = block_size
     try:
         with open(v.index_path, "rb", buffering=0) as table_file:
             table = table_file.read()[v.table_offset :]
-        with open(v.data_path, "rb", buffering=0) as data_file:
-            chunk = 8  # blocks per read: 8 MiB of buffer, reused
-            buf = bytearray(chunk * bs)
-            view = memoryview(buf)
-            for first in range(0, len(lengths), chunk):
-                n = data_file.readinto(view)  # sequential: the kernel reads ahead
-                for index in range(first, min(len(lengths), first + chunk)):
-                    at = (index - first) * bs
-                    raw = table[index * ENTRY.size : (index + 1) * ENTRY.size]
-                    if len(raw) != ENTRY.size or n < at + lengths[index]:
-                        return index
-                    length, data_hash, _ = ENTRY.unpack(raw)
-                    if length != lengths[index]:
-                        return index
-                    if block_hash(view[at : at + length]) != data_hash:
-                        return index
+        chunk = 8  # blocks per read: 8 MiB of buffer, reused
+        buf = bytearray(chunk * bs)
+        view = memoryview(buf)
+        for first in range(0, len(lengths), chunk):
+            n = os.preadv(data_fd, [view], first * bs)  # sequential: the kernel reads ahead
+            for index in range(first, min(len(lengths), first + chunk)):
+                at = (index - first) * bs
+                raw = table[index * ENTRY.size : (index + 1) * ENTRY.size]
+                if len(raw) != ENTRY.size or n < at + lengths[index]:
+                    return index
+                length, data_hash, _ = ENTRY.unpack(raw)
+                if length != lengths[index]:
+                    return index
+                if block_hash(view[at : at + length]) != data_hash:
+                    return index
     except OSError:
         return 0
     return None

@@ -100,8 +100,9 @@ class VersionStore:
         self.block_size = block_size
         self.enabled = True
         self._lock = threading.Lock()
-        # Versions whose every block was read and verified (see whole_version_file).
-        self._verified: set[str] = set()
+        # Versions whose every block was verified (see open_whole_version): digest -> the
+        # inode of the data file verified (a file created again is verified again).
+        self._verified: dict[str, int] = {}
         # Blocks this process wrote (hashed as they went out) or read back intact, by
         # version: (key, etag, indexes). A version they cover whole can be sealed (see seal).
         self._checked: dict[str, tuple[str, str, set[int]]] = {}

@@ -79,12 +79,21 @@ def _flag_names(flags: int) -> list[str]:
 
 
 def negotiate(
-    init: Init, *, pages_limit: int, max_background: int, passthrough: bool
+    init: Init,
+    *,
+    pages_limit: int,
+    max_background: int,
+    passthrough: bool,
+    backing_depth: int = 0,
 ) -> tuple[bytes, Negotiated]:
     """The fuse_init_out to answer ``init`` with (major 7 only), and what it settles.
 
     ``pages_limit``: the kernel's cap on pages per request as the connection was made with;
-    ``passthrough``: whether to ask for it (the caller checked the kernel offers it)."""
+    ``passthrough``: whether to ask for it (the caller checked the kernel offers it);
+    ``backing_depth``: how deep the backing files' file system stacks (0 on a disk, 1 on
+    overlayfs): the kernel takes backing files only from file systems shallower than
+    ``max_stack_depth``, which is one more (at most 2, the kernel's limit; the mount itself
+    then counts as that deep, so no stacking file system can be mounted over it)."""
     flags = init.flags & _WANTED
     if passthrough:
         flags |= p.PASSTHROUGH
@@ -98,7 +107,7 @@ def negotiate(
         congestion_threshold=max_background * 3 // 4,
         max_write=MAX_WRITE,
         max_pages=max_pages,
-        max_stack_depth=1 if passthrough else 0,
+        max_stack_depth=min(backing_depth + 1, 2) if passthrough else 0,
     )
     settled = Negotiated(
         major=p.KERNEL_VERSION,

@@ -58,7 +58,7 @@ from objfs.kernel import protocol as p
 from objfs.kernel import replies as rp
 from objfs.kernel import requests as rq
 from objfs.kernel.negotiation import MAX_WRITE, Negotiated, log_negotiated, negotiate
-from objfs.kernel.passthrough import OpenInodes, passthrough_refusal
+from objfs.kernel.passthrough import OpenInodes, backing_stack_depth, passthrough_refusal
 from objfs.kernel.read_turns import ReadTurns
 from objfs.kernel.writers import Holds, ReplyWriters, give_back, write_reply
 from objfs.nursery import open_nursery
@@ -131,6 +131,11 @@ class KernelSession:
         self.passthrough = False  # negotiated (see _answer_init)
         self.passthrough_opens = 0
         self._turns = ReadTurns()  # READs enter the core in arrival order
+
+    @property
+    def passthrough_refused(self) -> str | None:
+        """Why the kernel refused a backing file for good (passthrough off since), or None."""
+        return self._inodes.refused
 
     # -- mounting ------------------------------------------------------------------------
 
@@ -247,11 +252,21 @@ class KernelSession:
         if why_not is not None:
             log.info("FUSE passthrough off: %s", why_not)
         self.passthrough = why_not is None
+        depth = 0
+        if self.passthrough and self.fs.disk is not None:
+            depth = backing_stack_depth(self.fs.disk.root)
+            if depth:
+                log.info(
+                    "FUSE passthrough: the disk cache is on a stacking file system "
+                    "(overlayfs): backing files one level deeper (max_stack_depth %d)",
+                    depth + 1,
+                )
         payload, negotiated = negotiate(
             init,
             pages_limit=self._pages_limit,
             max_background=self.config.max_background,
             passthrough=self.passthrough,
+            backing_depth=depth,
         )
         write_reply(self._fd, [rp.reply(unique, payload)])
         self.negotiated = negotiated
@@ -469,17 +484,23 @@ class KernelSession:
         """OPEN: passthrough to the disk tier's file when the version is whole there and the
         inode is not open in cached mode; else cached (keep_cache). The kernel refuses to mix
         the two modes on one inode, and needs one backing file per inode while any
-        passthrough open lasts: the first passthrough open registers it, the last release
-        closes it."""
-        path = None
-        if self.passthrough and not self._inodes.cached(inode):
-            path = await self.fs.whole_on_disk(inode)
-            if self._inodes.cached(inode):  # other opens may have run meanwhile
-                path = None
-        # The kernel reads a passthrough inode's file itself: nothing to fetch ahead for it.
-        prefetch = path is None and not self._inodes.by_passthrough(inode)
-        fh, keep_cache = await self.fs.open(inode, flags, prefetch=prefetch)
-        backing_id = self._inodes.opened(self._fd, inode, path)
+        passthrough open lasts: the first passthrough open registers it (the very file
+        descriptor the disk tier verified), the last release closes it."""
+        backing_fd = None
+        if self.passthrough and self._inodes.refused is None and not self._inodes.cached(inode):
+            backing_fd = await self.fs.whole_on_disk(inode)
+        try:
+            if backing_fd is not None and self._inodes.cached(inode):
+                os.close(backing_fd)  # other opens ran meanwhile, in cached mode
+                backing_fd = None
+            # The kernel reads a passthrough inode's file itself: nothing to fetch ahead.
+            prefetch = backing_fd is None and not self._inodes.by_passthrough(inode)
+            fh, keep_cache = await self.fs.open(inode, flags, prefetch=prefetch)
+        except BaseException:
+            if backing_fd is not None:
+                os.close(backing_fd)
+            raise
+        backing_id = self._inodes.opened(self._fd, inode, backing_fd)
         log.debug("open of inode %d: %s", inode, "cached" if backing_id is None else "passthrough")
         if backing_id is not None:
             self.passthrough_opens += 1
