@@ -8,8 +8,9 @@ Contract:
 * The index: digest -> allocated bytes (``st_blocks * 512``, as the files are sparse), last
   use, LRU first; ``_total`` is the sum of the allocated bytes. A scan of the directory builds
   it (``_scan``, at start and before each eviction); reads and writes keep it current
-  (``_account``) with no directory scans. A hit touches the data file's mtime (the LRU clock
-  shared with other processes and restarts) at most once a minute.
+  (``_account``) with no directory scans; so does a passthrough open (``open_whole_version``),
+  a use like a read. A use touches the data file's mtime (the LRU clock shared with other
+  processes and restarts) at most once a minute.
 * Open files: the two descriptors of the 64 most recently used versions stay open
   (``_use``). A descriptor is closed only when no thread uses it (a use count), so a
   descriptor number is never reused under a thread's feet. A version another process removed

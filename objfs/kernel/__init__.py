@@ -40,9 +40,18 @@ What the README's "FUSE transports" says in short, in full (the user's view of e
   voided by a dropped block or a replaced file; damage to the disk after it is not seen by
   passthrough reads (as with any local file), while normal reads still check every block. An
   inode already served by normal reads on this mount stays so (its bytes are in the page cache).
-  A replaced object gets its own file; eviction unlinks a file, and open handles go on reading
-  it. If the daemon dies, handles opened by passthrough go on reading their file; new opens fail
-  with ``ENOTCONN``. Without CAP_SYS_ADMIN (the unprivileged CSI sidecar) or on an older kernel,
-  one log line says why and reads are normal. ``objfs status`` counts the opens served this way
-  (``passthrough_opens``).
+  The kernel is handed the very descriptor that was checked, never a path opened again. A file
+  never grows past its object's size and a listed block is never written again, so another
+  mount sharing the cache directory cannot change the bytes under a passthrough reader. Opens
+  of one version that arrive together wait for one check, which runs on threads of its own (not
+  the disk-read limiter). A passthrough open is a use for eviction (least recently used goes
+  first). A replaced object gets its own file; eviction unlinks a file, and open handles go on
+  reading it. If the daemon dies, handles opened by passthrough go on reading their file; new
+  opens fail with ``ENOTCONN``. A cache directory on overlayfs or ecryptfs (a container's root)
+  makes INIT ask for ``max_stack_depth`` 2, so that the kernel takes its files (the mount itself
+  then cannot sit under another stacking file system). Without CAP_SYS_ADMIN (the unprivileged
+  CSI sidecar) or on an older kernel, one log line says why and reads are normal; a backing file
+  the kernel refuses for a reason that holds for every file (a deeper stack: ELOOP) turns
+  passthrough off for the mount with one warning. ``objfs status`` counts the opens served this
+  way (``passthrough_opens``) and says why passthrough was turned off (``passthrough_refused``).
 """
