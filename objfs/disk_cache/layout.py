@@ -7,8 +7,8 @@ Contract:
   of those inputs, its ``digest`` (``version``). Its files are in ``DIR/v4/XY/`` (``XY``: the
   digest's first two hex digits, so no directory grows huge): the data file ``<digest>``,
   sparse, block ``i`` at offset ``i * block_size`` (a multiple of ``PAGE``, so every block
-  starts page-aligned for O_DIRECT; a block written with O_DIRECT is padded with zeros to a
-  whole page), and the block table ``<digest>.idx``.
+  starts page-aligned for O_DIRECT; an object's last block is never padded: the file ends
+  where the object does, see ``blockio.py``), and the block table ``<digest>.idx``.
 * The table: a header naming the digest's inputs (``HEADER``: magic ``OBJFSIX4``, format 4,
   block size, entry size, then namespace, key and ETag), padded to a page, then one 16-byte
   entry per block at ``table_offset + 16 * i`` (``ENTRY``): the data's length (u32), its
@@ -27,8 +27,9 @@ someone who can write the directory (which is why that is private, see ``directo
 The table is a file of its own rather than a region of the data file: the data stays at
 ``i * block_size`` with no bound on the number of blocks; the table is written buffered, one
 entry's 16 bytes at a time (two processes filling neighbouring entries both land), while the
-data is written O_DIRECT, and the two modes never share an inode's locks and page-cache
-invalidation; and the table (16 bytes per MiB) stays in the page cache.
+data is written O_DIRECT (but for an object's last partial page), and the two modes never share
+an inode's locks and page-cache invalidation; and the table (16 bytes per MiB) stays in the
+page cache.
 """
 
 from __future__ import annotations
