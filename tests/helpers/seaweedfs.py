@@ -2,9 +2,10 @@
 
 One process runs SeaweedFS's master, volume server, filer and S3 gateway on ``ip`` only
 (``-ip`` and ``-ip.bind`` both: otherwise parts of it listen on every address), each on a
-port of its own, with the test credentials as its one S3 identity. ``netns`` runs it inside
-that network namespace (``ip netns exec``). The process is this helper's child, in a session
-of its own, ended by PID in :meth:`SeaweedFS.stop`.
+port of its own, with the test credentials as its S3 identity (and ``others``, identities of
+lesser rights, for tests of permissions). ``netns`` runs it inside that network namespace
+(``ip netns exec``). The process is this helper's child, in a session of its own, ended by PID
+in :meth:`SeaweedFS.stop`.
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ class SeaweedFS:
         *,
         ip: str = "127.0.0.1",
         netns: str | None = None,
+        others: dict[str, tuple[str, list[str]]] | None = None,
     ) -> None:
         data_dir.mkdir(parents=True, exist_ok=True)
         self.data_dir = data_dir
@@ -62,7 +64,17 @@ class SeaweedFS:
             "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
             "actions": ["Admin", "Read", "List", "Write", "Tagging"],
         }
-        config.write_text(json.dumps({"identities": [identity]}))
+        # Identities of lesser rights: name -> (access key, actions), with the secret key
+        # "<access key>-secret" (e.g. ["List"]: may list, not read).
+        lesser = [
+            {
+                "name": name,
+                "credentials": [{"accessKey": key, "secretKey": f"{key}-secret"}],
+                "actions": actions,
+            }
+            for name, (key, actions) in (others or {}).items()
+        ]
+        config.write_text(json.dumps({"identities": [identity, *lesser]}))
         (s3, master, volume, filer, admin, debug, s3g, mg, vg, fg, ag) = _free_ports(11)
         self.port = s3
         self.url = f"http://{ip}:{s3}"
