@@ -308,6 +308,10 @@ class AzureOptions(CacheProxyOptions):
     max_attempts: int = 5
     # Parallel connections; the SDK's HTTP pool and the thread limiter are sized to it.
     max_connections: int = 16
+    # --cache-proxy-send-sas-token: with --cache-proxy, a SAS token credential (which cannot
+    # sign a narrower SAS) is sent to the engine as it is. Off: such a mount is refused, as
+    # the mount's SAS (often long-lived, listing, maybe broader) is not the engine's to see.
+    cache_proxy_send_sas_token: bool = False
 
 
 #: The FUSE transports ``--fuse-transport`` chooses from (see MountConfig.fuse_transport).

@@ -99,8 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         type=int,
         help="how long each URL signed for --cache-proxy is valid, 2 to 604800; signed again "
-        "at half of it (default 3600; an Azure SAS token given as the credential is sent as "
-        "it is)",
+        "at half of it (default 3600)",
     )
     store.add_argument("--region", help="region (default: $AWS_REGION / profile, else us-east-1)")
     store.add_argument("--profile", help="AWS profile from ~/.aws/config")
@@ -165,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="file holding a SAS token (default: $AZURE_STORAGE_SAS_TOKEN); the connection "
         "string and account key take precedence",
+    )
+    azure.add_argument(
+        "--cache-proxy-send-sas-token",
+        action="store_true",
+        default=None,
+        help="with --cache-proxy and a SAS token as the credential: send that SAS to the "
+        "engine as it is (it cannot sign a narrower one; refused without this option)",
     )
     m.add_argument_group("credentials").add_argument(
         "--credentials-file",
@@ -402,6 +408,7 @@ _AZURE_OPTIONS = {
     "account_name": "--account-name",
     "account_url": "--account-url",
     "sas_token_file": "--sas-token-file",
+    "cache_proxy_send_sas_token": "--cache-proxy-send-sas-token",
 }
 
 
@@ -502,6 +509,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         max_connections=args.max_connections,
         cache_proxy=cache_proxy,
         cache_proxy_url_lifetime_s=url_lifetime,
+        cache_proxy_send_sas_token=bool(args.cache_proxy_send_sas_token),
         **timeouts,
     )
     return MountConfig(

@@ -19,7 +19,9 @@ import errno
 import logging
 import os
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -102,14 +104,14 @@ def _assert_no_signature(
             assert secret not in text
 
 
-def _container_sas(container: str) -> str:
+def _container_sas(container: str, read: bool = True) -> str:
     from azure.storage.blob import ContainerSasPermissions, generate_container_sas
 
     sas = generate_container_sas(
         DEV_ACCOUNT,
         container,
         account_key=DEV_KEY,
-        permission=ContainerSasPermissions(read=True, list=True),
+        permission=ContainerSasPermissions(read=read, list=True),
         expiry=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1),
     )
     return remember("a container SAS for the cache engine", sas)
@@ -198,17 +200,22 @@ def test_a_sas_signed_with_the_key_reads_one_blob_and_is_renewed_at_half_its_lif
     assert again != sas
 
 
-def test_a_sas_token_credential_is_sent_as_it_is_and_follows_its_rotation() -> None:
+def test_a_sas_token_credential_is_sent_only_when_asked_and_follows_its_rotation() -> None:
+    """A SAS token credential cannot sign a narrower SAS: without --cache-proxy-send-sas-token
+    it never goes to the engine (None: that GET reads the store directly)."""
     from azure.core.credentials import AzureSasCredential
 
     credential = AzureSasCredential("?sv=2022-11-02&sp=rl&sig=first")
     signer = _signer(credential)
-    assert signer.engine_query("models", "m/a.bin", 3600, None) == (
+    assert signer.engine_query("models", "m/a.bin", 3600, None) == (None, False)
+    assert signer.engine_query("models", "m/a.bin", 3600, None, send_sas_token=True) == (
         "sv=2022-11-02&sp=rl&sig=first",
         False,
     )
     credential.update("sv=2022-11-02&sp=rl&sig=second")  # a rotated --sas-token-file
-    assert signer.engine_query("models", "m/a.bin", 3600, None)[0].endswith("sig=second")
+    query = signer.engine_query("models", "m/a.bin", 3600, None, send_sas_token=True)[0]
+    assert query is not None
+    assert query.endswith("sig=second")
     assert _signer(None).engine_query("models", "m/a.bin", 3600, None) == ("", False)
 
 
@@ -293,7 +300,52 @@ def test_two_nodes_loading_at_once_fetch_the_blobs_once_from_the_origin(
     _assert_no_signature(engine, nodes)
 
 
-def test_a_sas_token_credential_goes_through_the_engine_as_it_is(
+@pytest.mark.parametrize(
+    "env",
+    [
+        {"AZURE_STORAGE_SAS_TOKEN": "sv=2022-11-02&sp=rl&sig=SECRET-SAS"},
+        {
+            "AZURE_STORAGE_CONNECTION_STRING": "BlobEndpoint=http://127.0.0.1:1/a;"
+            "SharedAccessSignature=sv=2022-11-02&sp=rl&sig=SECRET-SAS"
+        },
+    ],
+    ids=["sas-token", "connection-string"],
+)
+def test_a_sas_token_credential_with_the_engine_is_refused_unless_asked(
+    mnt: Path, env: dict[str, str]
+) -> None:
+    """The mount's own SAS (often long-lived, listing, maybe broader) would go to a shared
+    engine, by default over http://: refused in one line that says what to do."""
+    res = run_objfs(
+        "mount",
+        "az://models/m",
+        str(mnt),
+        "--account-name",
+        DEV_ACCOUNT,
+        "--account-url",
+        f"http://127.0.0.1:1/{DEV_ACCOUNT}",
+        "--cache-proxy",
+        "http://127.0.0.1:1",
+        env={**os.environ, "AZURE_STORAGE_KEY": "", **env},
+    )
+    assert_one_line_error(res, 2, "--cache-proxy", "SAS token", "--cache-proxy-send-sas-token")
+    assert "SECRET" not in res.stderr
+    assert "sig=" not in res.stderr
+
+
+def test_the_s3_source_refuses_the_azure_only_sas_option(mnt: Path) -> None:
+    res = run_objfs(
+        "mount",
+        "s3://models/m",
+        str(mnt),
+        "--cache-proxy",
+        "http://127.0.0.1:1",
+        "--cache-proxy-send-sas-token",
+    )
+    assert_one_line_error(res, 2, "--cache-proxy-send-sas-token", "Azure option")
+
+
+def test_a_sas_token_credential_goes_through_the_engine_as_it_is_when_asked(
     azurite: Any, container: str, origin: Proxy, engine: Engine, mount_az: Any, tmp_path: Path
 ) -> None:
     data = os.urandom(20 * MiB + 333)
@@ -301,7 +353,9 @@ def test_a_sas_token_credential_goes_through_the_engine_as_it_is(
     sas = _container_sas(container)
     signature = dict(part.split("=", 1) for part in sas.split("&"))["sig"]
     env = {"AZURE_STORAGE_KEY": "", "AZURE_STORAGE_SAS_TOKEN": sas}  # only the SAS
-    m = _node(mount_az, container, origin, engine, "a", tmp_path, env=env)
+    m = _node(
+        mount_az, container, origin, engine, "a", tmp_path, "--cache-proxy-send-sas-token", env=env
+    )
     assert "AZURE_STORAGE_SAS_TOKEN" in m.log()  # the credential source is named
     assert sha256((m.path / "w.bin").read_bytes()) == sha256(data)
     status = fresh_status(m.path)["cache_engine"]
@@ -447,3 +501,109 @@ def test_no_signature_reaches_a_log_even_at_debug_level(
     assert status["failures"] >= 1
     assert "cache engine" in m.log()
     _assert_no_signature(engine, [m])
+
+
+# -- authorization: the store decides every GET, hit or miss ------------------------------------
+
+
+def _checks(origin: Proxy) -> list[str]:
+    """The authorization checks the store saw (the engine's: 1 byte, no If-Match), by path."""
+    return [
+        r.target.split("?", 1)[0]
+        for r in origin.stats.requests
+        if r.headers.get("range") == "bytes=0-0" and "if-match" not in r.headers
+    ]
+
+
+def _get(url: str, headers: dict[str, str]) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=headers)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as reply:
+            return int(reply.status), bytes(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def test_the_store_authorizes_every_get_through_the_engine_once_per_sas(
+    azurite: Any, container: str, origin: Proxy, engine: Engine, mount_az: Any, tmp_path: Path
+) -> None:
+    """A mount signed with the account key loads through the engine with one authorization
+    check per blob SAS, not per slice; then the warm engine refuses a GET without a SAS, with
+    a SAS without read permission and with a tampered one, and serves a valid one."""
+    from azure.storage.blob import BlobSasPermissions, generate_blob_sas
+
+    from objfs.backends.azure_auth import API_VERSION
+
+    files = {"m/w.bin": os.urandom(20 * MiB + 3), "m/v.bin": os.urandom(9 * MiB)}
+    put_blobs(azurite, container, files)
+    origin.reset_stats()
+    m = _node(mount_az, container, origin, engine, "a", tmp_path)
+    assert load_at_once([m], {k[2:]: v for k, v in files.items()}) == []
+    status = fresh_status(m.path)["cache_engine"]
+    slices = [r for r in origin.stats.requests if "if-match" in r.headers]
+    checks = _checks(origin)
+
+    path = f"/{DEV_ACCOUNT}/{container}/m/w.bin"
+    etag = next(r.headers["if-match"] for r in slices if r.target.startswith(path + "?"))
+    headers = {"Range": f"bytes=0-{MiB - 1}", "If-Match": etag, "x-ms-version": API_VERSION}
+    readable = remember(
+        "a blob SAS for the cache engine",
+        generate_blob_sas(
+            DEV_ACCOUNT,
+            container,
+            "m/w.bin",
+            account_key=DEV_KEY,
+            permission=BlobSasPermissions(read=True),
+            expiry=_dt.datetime.now(_dt.UTC) + _dt.timedelta(hours=1),
+        ),
+    )
+    no_read = _container_sas(container, read=False)  # may list, not read
+    assert _get(f"{origin.url}{path}?{no_read}", headers)[0] == 403  # the store refuses it
+    tampered = readable.replace("sig=", "sig=0")
+    origin.reset_stats()
+    for query in ("", f"?{no_read}", f"?{tampered}"):
+        code, body = _get(engine.url + path + query, headers)
+        assert code == 403, (query.split("sig=")[0], code)
+        assert files["m/w.bin"][:64] not in body
+    code, body = _get(f"{engine.url}{path}?{readable}", headers)
+    assert (code, sha256(body)) == (206, sha256(files["m/w.bin"][:MiB]))
+    assert len(_checks(origin)) == 4  # each asked of the store
+    assert all("if-match" not in r.headers for r in origin.stats.requests)  # no slice
+
+    # The load: the store sent every 4 MiB slice once, and was asked once per SAS (objfs
+    # signs one per blob) whether the caller may read it.
+    assert len(slices) == 6 + 3
+    assert sorted(checks) == sorted(f"/{DEV_ACCOUNT}/{container}/{k}" for k in files), checks
+    assert status["bytes_via_engine"] == sum(len(d) for d in files.values())
+    assert (status["failures"], status["refused"], status["urls_signed"]) == (0, 0, 2)
+    _assert_no_signature(engine, [m], readable, no_read)
+
+
+def test_a_mount_whose_sas_may_not_read_gets_eacces_from_a_warm_engine(
+    azurite: Any, container: str, origin: Proxy, engine: Engine, mount_az: Any, tmp_path: Path
+) -> None:
+    """A mount whose SAS may list and not read (sent to the engine, as asked): reading a
+    blob the engine holds gives EACCES (the engine passes the store's refusal on, objfs
+    asks the store directly, which refuses too), without blaming the engine."""
+    data = os.urandom(12 * MiB + 5)
+    put_blobs(azurite, container, {"m/w.bin": data})
+    a = _node(mount_az, container, origin, engine, "a", tmp_path)
+    assert sha256((a.path / "w.bin").read_bytes()) == sha256(data)  # the engine is warm
+    sas = _container_sas(container, read=False)
+    env = {"AZURE_STORAGE_KEY": "", "AZURE_STORAGE_SAS_TOKEN": sas}
+    b = _node(
+        mount_az, container, origin, engine, "b", tmp_path, "--cache-proxy-send-sas-token", env=env
+    )
+    assert os.listdir(b.path) == ["w.bin"]
+    for _ in range(2):
+        with pytest.raises(PermissionError) as caught:
+            (b.path / "w.bin").read_bytes()
+        assert caught.value.errno == errno.EACCES
+    status = fresh_status(b.path)["cache_engine"]
+    assert status["bytes_via_engine"] == 0
+    assert status["refused"] >= 1
+    assert status["failures"] == 0  # the store's refusal, not the engine's fault
+    log = b.log()
+    assert "the store refused a GET through it" in log
+    assert "reading from the store directly, trying" not in log
+    _assert_no_signature(engine, [a, b], sas)

@@ -21,9 +21,12 @@ through the session's urllib3 pool instead.
 
 Cache engine (``--cache-proxy``, :mod:`objfs.cache_engine`): each data GET first goes to the
 engine as ``GET URL/<blob URL's path>?<SAS>`` with ``Range``, ``If-Match`` and
-``x-ms-version``. Invariant: bytes from the engine are used only when the reply is for exactly
-the range asked and its ETag is the pin; anything else reads that range from the store
-directly. The SAS, and the URL that carries it, are never logged, raised or reported.
+``x-ms-version``, the SAS a read-only one for that blob (signed by the account key or a user
+delegation key); the mount's own SAS token only with ``--cache-proxy-send-sas-token`` (a
+mount with a SAS token credential and ``--cache-proxy`` is refused without it). Invariant:
+bytes from the engine are used only when the reply is for exactly the range asked and its ETag
+is the pin; anything else reads that range from the store directly. The SAS, and the URL
+that carries it, are never logged, raised or reported.
 
 Rotated credentials: with ``--sas-token-file`` or ``--credentials-file``, requests poll the
 :class:`CredentialWatch`; a changed file's credential replaces the current one (a SAS in place,
@@ -165,6 +168,16 @@ class AzureBackend(Backend):
         if env is None and credential_watch is not None:
             env = credential_watch.environ  # the credentials file as the watch read it
         creds = resolve_credentials(source, options, env)
+        if (
+            options.cache_proxy
+            and isinstance(creds.credential, AzureSasCredential)
+            and not options.cache_proxy_send_sas_token
+        ):
+            raise UsageError(
+                f"--cache-proxy with a SAS token credential ({creds.kind}) would send that SAS "
+                "to the engine: give the account key or a token credential (objfs then signs a "
+                "read-only SAS per blob), or add --cache-proxy-send-sas-token"
+            )
         self.account_url = creds.account_url
         self.account_name = creds.account_name
         self.credential_kind = creds.kind
@@ -506,7 +519,11 @@ class AzureBackend(Backend):
             engine.direct(length)
             return False
         query, minted = self._signer.engine_query(
-            self.container, key, self.options.cache_proxy_url_lifetime_s, self._service
+            self.container,
+            key,
+            self.options.cache_proxy_url_lifetime_s,
+            self._service,
+            send_sas_token=self.options.cache_proxy_send_sas_token,
         )
         if minted:
             engine.signed()

@@ -357,23 +357,34 @@ class Signer:
             return str(token.token)
 
     def engine_query(
-        self, container: str, blob: str, lifetime_s: int, service: BlobServiceClient
+        self,
+        container: str,
+        blob: str,
+        lifetime_s: int,
+        service: BlobServiceClient,
+        *,
+        send_sas_token: bool = False,
     ) -> tuple[str | None, bool]:
         """(Worker thread) The query a data GET of ``blob`` through the cache engine
         (``--cache-proxy``) carries, and whether a SAS was signed for it now; ``""`` for
         anonymous requests, None when the mount's credential cannot make one (a token
-        credential refused a user delegation key): that GET goes to the store directly.
+        credential refused a user delegation key, or a SAS token credential without
+        ``send_sas_token``): that GET goes to the store directly.
 
-        A SAS token credential is sent as it is (its lifetime and scope are the user's). With
-        the account key or a token credential, a read-only SAS for this one blob is signed
-        here (by the key, or by a user delegation key the token credential obtained), valid
-        ``lifetime_s`` from now (and from a few minutes back, for clock skew), remembered and
-        signed again once half of that has passed, so a GET never carries one about to
-        expire. A SAS is a bearer credential: it is never logged."""
+        A SAS token credential cannot sign a narrower SAS: it is sent as it is (its lifetime
+        and scope are the user's) only if ``send_sas_token`` (``--cache-proxy-send-sas-token``):
+        the mount's credential never leaves objfs unasked. With the account key or a token
+        credential, a read-only SAS for this one blob is signed here (by the key, or by a user
+        delegation key the token credential obtained), valid ``lifetime_s`` from now (and from
+        a few minutes back, for clock skew), remembered and signed again once half of that has
+        passed, so a GET never carries one about to expire. A SAS is a bearer credential: it
+        is never logged."""
         cred = self._credential
         if cred is None:
             return "", False
         if isinstance(cred, AzureSasCredential):
+            if not send_sas_token:
+                return None, False
             return str(cred.signature).lstrip("?"), False  # read now: it rotates in place
         now = time.monotonic()
         known = self._sas.get((container, blob))
