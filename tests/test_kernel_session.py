@@ -284,7 +284,7 @@ def test_a_refusal_for_every_file_turns_passthrough_off_with_one_warning(
 
     monkeypatch.setattr(passthrough, "_register", too_deep)
     inodes = passthrough.OpenInodes()
-    fds = [fd for _ in range(3) for fd in os.pipe()][:5]
+    fds = [fd for _ in range(2) for fd in os.pipe()]
     with caplog.at_level("INFO", logger="objfs.kernel.session"):
         for inode, fd in enumerate(fds, start=10):
             assert inodes.opened(9, inode, fd) is None
@@ -305,7 +305,6 @@ def test_max_stack_depth_is_raised_for_a_cache_directory_on_overlayfs(tmp_path: 
     from objfs.kernel.passthrough import backing_stack_depth
     from objfs.kernel.requests import Init
 
-    assert backing_stack_depth(str(tmp_path)) == 0
     dirs = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
     for d in dirs.values():
         d.mkdir()

@@ -346,3 +346,52 @@ async def test_concurrent_opens_of_a_version_check_it_once_off_the_disk_read_lim
         for fd in fds:
             if fd is not None:
                 os.close(fd)
+
+
+def test_a_version_evicted_and_written_again_during_the_check_is_not_handed_out(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """This process wrote a version whole (its blocks were checked as they went out); while
+    it looks at the table, another process evicts the version and a third writes only its
+    last block again (a file of the full size with holes). What was checked speaks for the
+    old file only: the new one is not handed out (before: a descriptor of the file with
+    holes, its first block zeros)."""
+    data = os.urandom(3 * MiB + 5)
+    blocks = [data[i * MiB : (i + 1) * MiB] for i in range(4)]
+    here = disk_cache(tmp_path / "c")
+    assert here.write_blocks("p/x.bin", '"e"', 0, blocks) == 4
+    real_missing = DiskCache.missing_bytes
+
+    def replaced_meanwhile(self: DiskCache, key: str, etag: str, lengths: Any) -> int:
+        listed = real_missing(self, key, etag, lengths)  # the table as it was: all listed
+        evictor = disk_cache(tmp_path / "c")
+        evictor.size_limit_bytes = 0
+        evictor.evict()
+        assert disk_cache(tmp_path / "c").write_blocks(key, etag, 3, blocks[3:]) == 1
+        return listed
+
+    monkeypatch.setattr(DiskCache, "missing_bytes", replaced_meanwhile)
+    assert here.open_whole_version("p/x.bin", '"e"', len(data)) is None
+    monkeypatch.undo()
+    # Not whole now: no passthrough, and nothing this process checked counts for it.
+    assert here.open_whole_version("p/x.bin", '"e"', len(data)) is None
+    assert not here.seal("p/x.bin", '"e"', len(data))
+
+
+def test_recording_a_check_is_not_a_use(tmp_path: Path) -> None:
+    """Sealing a version (at unmount, after `objfs warm`) writes its record in the table
+    but keeps the files' times: the eviction order other processes see is unchanged."""
+    data = os.urandom(2 * MiB + 9)
+    blocks = [data[i * MiB : (i + 1) * MiB] for i in range(3)]
+    writer = disk_cache(tmp_path / "c")
+    assert writer.write_blocks("p/old.bin", '"e"', 0, blocks) == 3
+    where = writer.locate("p/old.bin", '"e"', 0)
+    then = time.time() - 48 * 3600
+    for path in (where.data_path, where.index_path):
+        os.utime(path, (then, then))
+    assert writer.seal("p/old.bin", '"e"', len(data))
+    for path in (where.data_path, where.index_path):
+        assert abs(os.stat(path).st_mtime - then) < 1, path
+    fd = disk_cache(tmp_path / "c").open_whole_version("p/old.bin", '"e"', len(data))
+    assert fd is not None  # recorded: served with no read
+    assert read_fd(fd) == data

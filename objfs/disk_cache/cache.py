@@ -165,7 +165,8 @@ class DiskCache(BlockIO, SpaceKeeper):
                     finally:
                         after = files.allocated()
                         landed = after - before
-                        self._account(v.digest, files, allocated=after)
+                        # Nothing written (every block listed): a use, not a change.
+                        self._account(v.digest, files, allocated=after if written else None)
         except OSError as exc:
             self._failed("writing", v.data_path, exc)
         else:
@@ -216,7 +217,7 @@ class DiskCache(BlockIO, SpaceKeeper):
         count = (size + self.block_size - 1) // self.block_size
         if v.digest not in self._verified and not self._covered(v, count):
             return False
-        fd = self.open_whole_version(key, etag, size)
+        fd = self.open_whole_version(key, etag, size, use=False)
         if fd is None:
             return False
         os.close(fd)
@@ -226,13 +227,13 @@ class DiskCache(BlockIO, SpaceKeeper):
         """The path of the data file :meth:`open_whole_version` would hand out, for tools and
         tests (passthrough registers the descriptor, never a path: the path may name a newer
         file by the time it is opened)."""
-        fd = self.open_whole_version(key, etag, size)
+        fd = self.open_whole_version(key, etag, size, use=False)
         if fd is None:
             return None
         os.close(fd)
         return self._version(key, etag).data_path
 
-    def open_whole_version(self, key: str, etag: str, size: int) -> int | None:
+    def open_whole_version(self, key: str, etag: str, size: int, *, use: bool = True) -> int | None:
         """A read-only descriptor (the caller's to close) of the data file of version (key,
         etag) when it holds exactly the object's ``size`` bytes, for the kernel to serve by
         FUSE passthrough (which checks no hash); else None. The checks below are made on
@@ -255,32 +256,50 @@ class DiskCache(BlockIO, SpaceKeeper):
         again (``write_blocks``), so the bytes under a passthrough file do not change;
         eviction unlinks the file, and the kernel keeps reading the unlinked one.
 
-        A descriptor handed out is a use of the version, as a read is: it moves to the
-        recent end of the eviction order (and its mtime, the order other processes and
-        restarts see, is touched at most once a minute)."""
+        A descriptor handed out with ``use`` is a use of the version, as a read is: it moves
+        to the recent end of the eviction order (and its mtime, the order other processes and
+        restarts see, is touched at most once a minute). ``seal`` and ``whole_version_file``
+        pass ``use=False``: recording a check is not a use."""
         if not self.enabled or size <= 0:
             return None
         bs = self.block_size
         lengths = [min(bs, size - i * bs) for i in range((size + bs - 1) // bs)]
-        if self.missing_bytes(key, etag, lengths):
-            return None
         v = self._version(key, etag)
         try:
             fd = os.open(v.data_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
             return None
         try:
-            if self._whole(key, etag, v, fd, lengths):
-                self._used_whole(v)
+            # The table is read after the file is open, and the file must still be the one
+            # its path names: a table listing every block then speaks for this file (a
+            # version evicted and written again meanwhile is another file, refused here).
+            listed = not self.missing_bytes(key, etag, lengths)
+            if listed and self._current(v, fd) and self._whole(key, etag, v, fd, lengths):
+                if use:
+                    self._used_whole(v)
                 return fd
         except OSError:
             pass
+        except BaseException:
+            os.close(fd)
+            raise
         os.close(fd)
         return None
 
+    @staticmethod
+    def _current(v: Version, fd: int) -> bool:
+        """Whether ``fd`` is the data file the path of ``v`` names now (not one removed)."""
+        st = os.fstat(fd)
+        if st.st_nlink == 0:
+            return False
+        path_st = os.stat(v.data_path)
+        return (path_st.st_dev, path_st.st_ino) == (st.st_dev, st.st_ino)
+
     def _whole(self, key: str, etag: str, v: Version, fd: int, lengths: Sequence[int]) -> bool:
         """Whether the data file open as ``fd`` holds exactly version ``v`` (see
-        open_whole_version), verified now if it was not before."""
+        open_whole_version), verified now if it was not before: the record in the table
+        (``STAMP``: this file's inode and size, the table's hash) is the proof; where the
+        header has no room for one, this process's memory of the file it verified."""
         size = sum(lengths)
         st = os.fstat(fd)
         if st.st_size > size:
@@ -288,22 +307,23 @@ class DiskCache(BlockIO, SpaceKeeper):
             st = os.fstat(fd)
         if st.st_size != size:
             return False
-        with self._lock:
-            if self._verified.get(v.digest) == st.st_ino:
-                return True
         stamp = current_stamp(v, len(lengths), fd)
-        if stamp is None or not stamp_recorded(v, stamp):
-            if not self._covered(v, len(lengths)):
-                log.info("disk cache: checking %s before its first passthrough", v.data_path)
-                bad = self._first_bad_block(v, fd, lengths)
-                if bad is not None:
-                    # Read it the usual way, which finds the damage and drops the block.
-                    self.read_blocks(key, etag, [bad], [lengths[bad]])
-                    return False
-            if stamp is not None:
-                record_stamp(v, stamp, fd)
+        if stamp is not None and stamp_recorded(v, stamp):
+            return True
         with self._lock:
-            self._verified[v.digest] = st.st_ino
+            if stamp is None and self._verified.get(v.digest) == (st.st_dev, st.st_ino):
+                return True
+        if not self._covered(v, len(lengths)):
+            log.info("disk cache: checking %s before its first passthrough", v.data_path)
+            bad = self._first_bad_block(v, fd, lengths)
+            if bad is not None:
+                # Read it the usual way, which finds the damage and drops the block.
+                self.read_blocks(key, etag, [bad], [lengths[bad]])
+                return False
+        if stamp is not None:
+            record_stamp(v, stamp, fd)
+        with self._lock:
+            self._verified[v.digest] = (st.st_dev, st.st_ino)
         return True
 
     def _used_whole(self, v: Version) -> None:

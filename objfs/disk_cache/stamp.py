@@ -55,12 +55,15 @@ def stamp_recorded(v: Version, stamp: bytes) -> bool:
 
 def record_stamp(v: Version, stamp: bytes, data_fd: int) -> None:
     """Record a verification of the data file open as ``data_fd``: the data synced first,
-    so a crash cannot leave a record over bytes that never reached the disk."""
+    so a crash cannot leave a record over bytes that never reached the disk. The table keeps
+    its times: a record is not a use (the files' mtimes are the eviction order)."""
     try:
         os.fdatasync(data_fd)
         fd = os.open(v.index_path, os.O_WRONLY | os.O_CLOEXEC)
         try:
+            before = os.fstat(fd)
             os.pwrite(fd, stamp, v.table_offset - STAMP.size)
+            os.utime(fd, ns=(before.st_atime_ns, before.st_mtime_ns))
         finally:
             os.close(fd)
     except OSError as exc:

@@ -101,9 +101,10 @@ class VersionStore:
         self.block_size = block_size
         self.enabled = True
         self._lock = threading.Lock()
-        # Versions whose every block was verified (see open_whole_version): digest -> the
-        # inode of the data file verified (a file created again is verified again).
-        self._verified: dict[str, int] = {}
+        # Versions whose every block was verified, where their table has no room for the
+        # record (see open_whole_version): digest -> (device, inode) of the file verified.
+        # Forgotten when this process removes the version or finds it removed.
+        self._verified: dict[str, tuple[int, int]] = {}
         # Blocks this process wrote (hashed as they went out) or read back intact, by
         # version: (key, etag, indexes). A version they cover whole can be sealed (see seal).
         self._checked: dict[str, tuple[str, str, set[int]]] = {}
@@ -189,6 +190,7 @@ class VersionStore:
                 return files
             self._release(files)
             self._drop_files(v.digest, files)
+            self._forget_checks(v.digest)  # another process removed it: those were its files
         opened = self._open_files(v, create, now)
         if opened is None:
             return None
@@ -312,6 +314,7 @@ class VersionStore:
         """Delete a version's files (the table first: without it nothing is served) and
         forget it; returns the bytes it held by the index."""
         remove_files(self.root, digest)
+        self._forget_checks(digest)
         with self._lock:
             entry = self._index.pop(digest, None)
             files = self._files.get(digest)
@@ -320,6 +323,13 @@ class VersionStore:
         if files is not None:
             self._drop_files(digest, files)
         return entry.allocated if entry is not None else 0
+
+    def _forget_checks(self, digest: str) -> None:
+        """The version's files are gone: what this process checked of them no longer
+        speaks for the files that may take their place."""
+        with self._lock:
+            self._verified.pop(digest, None)
+            self._checked.pop(digest, None)
 
     def _account(self, digest: str, files: Files, *, allocated: int | None) -> None:
         """Note a use of a version: its recency and, after a write, its size

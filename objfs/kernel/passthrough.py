@@ -59,7 +59,9 @@ def backing_stack_depth(path: str) -> int:
             return 0
     except (OSError, AttributeError):
         return 0
-    f_type = ctypes.c_long.from_buffer(buf).value & 0xFFFFFFFF
+    # f_type is a long but on s390x (an unsigned int there).
+    width = ctypes.c_uint if os.uname().machine == "s390x" else ctypes.c_ulong
+    f_type = width.from_buffer(buf).value & 0xFFFFFFFF
     return 1 if f_type in _STACKED_MAGIC else 0
 
 

@@ -258,7 +258,8 @@ class KernelSession:
             if depth:
                 log.info(
                     "FUSE passthrough: the disk cache is on a stacking file system "
-                    "(overlayfs): backing files one level deeper (max_stack_depth %d)",
+                    "(overlayfs or ecryptfs): backing files one level deeper "
+                    "(max_stack_depth %d)",
                     depth + 1,
                 )
         payload, negotiated = negotiate(
