@@ -227,6 +227,32 @@ def test_a_failed_engine_is_left_alone_then_tried_again() -> None:
     }
 
 
+def test_on_aws_engine_urls_are_path_style_for_each_buckets_region() -> None:
+    """AWS's default addressing is virtual-hosted (``BUCKET.s3.amazonaws.com/KEY``): the
+    engine's URL would lose the bucket. objfs presigns engine URLs path-style, with a client
+    of the bucket's region (for_bucket: the account root's buckets in other regions)."""
+    from objfs.backends.s3 import S3Backend
+    from objfs.config import S3Options
+
+    backend = S3Backend("bucket-a", S3Options(region="us-east-1", cache_proxy="http://c:8080"))
+    other = backend.for_bucket("bucket-b", "eu-west-1")
+    sent: list[str] = []
+    assert backend._engine is not None
+    backend._engine.fetch = lambda pool, url, *rest: sent.append(url) or True  # type: ignore[method-assign]
+    for b, bucket in ((backend, "bucket-a"), (other, "bucket-b")):
+        direct, _ = b._urls.signed_get(b._client, bucket, "m/w.bin", {})
+        assert direct.startswith(f"https://{bucket}.s3."), direct  # the data path: virtual
+        assert b._get_via_engine("GET", "m/w.bin", '"e"', 0, [memoryview(bytearray(8))])
+    assert [url.split("?")[0] for url in sent] == [
+        "http://c:8080/bucket-a/m/w.bin",
+        "http://c:8080/bucket-b/m/w.bin",
+    ]
+    # Each signed for the host the engine's ORIGIN_HOST names, in the bucket's region.
+    assert "X-Amz-SignedHeaders=host" in sent[0]
+    assert "%2Fus-east-1%2Fs3%2F" in sent[0]
+    assert "%2Feu-west-1%2Fs3%2F" in sent[1]
+
+
 def test_the_command_refuses_a_bad_engine_address(mnt: Path) -> None:
     res = run_objfs("mount", "s3://models/m", str(mnt), "--cache-proxy", "cache:8080")
     assert res.returncode == 2
