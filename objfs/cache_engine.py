@@ -13,13 +13,13 @@ delegation key (Azure, objfs.backends.azure_auth; the mount's own SAS token only
 present a valid signature, because the signature covers neither ``Range`` nor ``If-Match``.
 Every GET carries ``If-Match`` with the version's ETag, so the engine's cache key (path,
 If-Match, slice) names the version and not the signature, and the caller still checks every
-reply's ETag against its pin. The engine has the store authorize every GET, hit or miss, with
-the caller's signature: a refusal (401/403) reaches the caller.
+reply's ETag against its pin. The shipped engine has the store authorize every GET, hit or
+miss, with the caller's signature: a refusal (401/403) reaches the caller.
 
-Fallback: any failure of the engine (refused, reset, timeout, 5xx, a short or misplaced body,
-another version's bytes) makes the caller read that range from the store directly; the
-engine is then left alone for ``retry_after_s`` (one warning per outage, counted in
-``failures``), after which the next GET tries it again; its first success logs that it is
+Fallback: any failure of the engine (a refused connection, a reset, a timeout, a 5xx, a short
+or misplaced body, another version's bytes) makes the caller read that range from the store
+directly; the engine is then left alone for ``retry_after_s`` (one warning per outage, counted
+in ``failures``), after which the next GET tries it again; its first success logs that it is
 back. Two answers are the store's, not the engine's: a 412 (the pinned version is gone) and a
 401/403 (the store refused the caller's signature; counted in ``refused``, logged once). The
 caller then reads that range from the store directly, whose own answer counts (ESTALE,
