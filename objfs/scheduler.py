@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 import trio
 
 from objfs.backends.base import Backend
-from objfs.block_cache import BlockCache, BlockKey, Reservation
+from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
 from objfs.disk_cache import DiskCache
 from objfs.errors import StaleObjectError
 from objfs.readahead import Stream
@@ -50,6 +50,12 @@ log = logging.getLogger(__name__)
 
 # Disk reads run in threads; a few keep one disk busy.
 DISK_READ_THREADS = 4
+# How long a fetch waits for blocks another process sharing the disk tier is fetching before
+# it fetches them itself (the other is alive but slow: a failing store, a slow disk).
+NODE_FETCH_WAIT_S = 10.0
+# How often a waiting fetch looks at the others' locks: first, and at most.
+_LOCK_POLL_S = 0.005
+_LOCK_POLL_MAX_S = 0.1
 
 
 @dataclass
@@ -352,42 +358,105 @@ class Fetcher:
         self, handle: Handle, first: int, stop: int, reservation: Reservation
     ) -> None:
         """Fill claimed blocks [first, stop) from disk or the store, spending ``reservation``
-        on each block cached."""
+        on each block cached. A block another process sharing the disk tier is fetching is
+        waited for and read from the disk (see ``_from_store``)."""
         indexes = range(first, stop)
         new = self.cache.new_blocks([self.length(handle, i) for i in indexes])
         blocks = dict(zip(indexes, new, strict=True))
         try:
-            missing = list(blocks)
-            disk = self.disk
-            if disk is not None and disk.enabled:
-                found = await trio.to_thread.run_sync(
-                    self.read_disk_blocks_into,
-                    handle,
-                    [(i, blocks[i].view) for i in missing],
-                    limiter=self.disk_read_limiter,
-                )
-                for index in found:
-                    block = blocks.pop(index)
-                    key = self.key(handle, index)
-                    self.writes.on_disk(key, block)
-                    self.cache.put(key, block, reservation)
-                missing = [i for i in missing if i not in found]
-            for run in _runs(missing):
-                start = run[0] * self.block_size
-                try:
-                    await self.backend.read_into(
-                        handle.key, handle.etag, start, [blocks[i].view for i in run]
-                    )
-                except StaleObjectError:
-                    self._on_stale(handle)
-                    raise
-                written = [(self.key(handle, i), blocks.pop(i)) for i in run]
-                for key, block in written:
-                    self.cache.put(key, block, reservation)
-                self.writes.offer(written)
+            missing = await self._from_disk(handle, list(blocks), blocks, reservation)
+            await self._from_store(handle, missing, blocks, reservation)
         finally:
             for block in blocks.values():
                 block.discard()
+
+    async def _from_disk(
+        self,
+        handle: Handle,
+        wanted: list[int],
+        blocks: dict[int, Block],
+        reservation: Reservation,
+    ) -> list[int]:
+        """Cache the blocks among ``wanted`` that the disk tier holds (taken out of
+        ``blocks``); returns the others."""
+        disk = self.disk
+        if disk is None or not disk.enabled or not wanted:
+            return wanted
+        found = await trio.to_thread.run_sync(
+            self.read_disk_blocks_into,
+            handle,
+            [(i, blocks[i].view) for i in wanted],
+            limiter=self.disk_read_limiter,
+        )
+        for index in found:
+            block = blocks.pop(index)
+            key = self.key(handle, index)
+            self.writes.on_disk(key, block)
+            self.cache.put(key, block, reservation)
+        return [i for i in wanted if i not in found]
+
+    async def _from_store(
+        self,
+        handle: Handle,
+        missing: list[int],
+        blocks: dict[int, Block],
+        reservation: Reservation,
+    ) -> None:
+        """Fetch ``missing`` from the store, one ranged GET per run, each block once per
+        node: a block whose fetch lock another process sharing the disk tier holds is left
+        to it, and read from the disk once the lock is free (its holder wrote it, or gave
+        up: then this process takes the lock and fetches it). The write-behind releases the
+        locks of the blocks fetched here once they are on disk (or will not be). Waits at
+        most ``NODE_FETCH_WAIT_S`` for another's fetch, then fetches without the lock."""
+        disk = self.disk
+        locks = disk.fetch_locks if disk is not None and disk.enabled else None
+        waited_since: float | None = None
+        delay = _LOCK_POLL_S
+        while missing:
+            if locks is None or (
+                waited_since is not None and trio.current_time() - waited_since > NODE_FETCH_WAIT_S
+            ):
+                mine, locked = missing, []
+            else:
+                mine = locked = locks.take(handle.key, handle.etag, missing)
+                if locked and waited_since is not None:
+                    # Landed meanwhile? Those found need no fetch (nor their locks).
+                    mine = await self._from_disk(handle, locked, blocks, reservation)
+                    locks.release(handle.key, handle.etag, set(locked) - set(mine))
+                    locked = mine
+            try:
+                for run in _runs(mine):
+                    await self._get_run(handle, run, blocks, reservation)
+                    locked = [i for i in locked if i not in run]  # the write-behind's now
+            finally:
+                if locks is not None and locked:
+                    locks.release(handle.key, handle.etag, locked)  # not fetched
+            done = set(mine) | {i for i in missing if i not in blocks}
+            missing = [i for i in missing if i not in done]
+            if missing:
+                # Fetched by another process now: wait for its lock, then read the disk.
+                if waited_since is None:
+                    waited_since = trio.current_time()
+                await trio.sleep(delay)
+                delay = min(delay * 2, _LOCK_POLL_MAX_S)
+
+    async def _get_run(
+        self, handle: Handle, run: list[int], blocks: dict[int, Block], reservation: Reservation
+    ) -> None:
+        """One ranged GET of consecutive blocks ``run`` into their buffers, then cached and
+        offered to the disk tier (taken out of ``blocks``)."""
+        start = run[0] * self.block_size
+        try:
+            await self.backend.read_into(
+                handle.key, handle.etag, start, [blocks[i].view for i in run]
+            )
+        except StaleObjectError:
+            self._on_stale(handle)
+            raise
+        written = [(self.key(handle, i), blocks.pop(i)) for i in run]
+        for key, block in written:
+            self.cache.put(key, block, reservation)
+        self.writes.offer(written)
 
     def read_disk_blocks_into(
         self, handle: Handle, wanted: list[tuple[int, memoryview]]

@@ -10,6 +10,10 @@
   noted, and once the queue has drained to half the bound the deferred blocks still in memory
   are queued; those evicted meanwhile are not cached on disk (counted) but remembered as
   *lost*.
+* **Fetch locks.** Blocks a fetch took the node's fetch locks for (``Fetcher._from_store``)
+  are released here once written, or once they will not be (evicted before the writer got to
+  them, the tier off): another mount sharing the disk tier then reads them from the disk, or
+  fetches them itself.
 * **Backfill.** Lost blocks are fetched again and written once the mount has been idle for
   ``BACKFILL_IDLE_S`` (no read, no read-ahead, nothing waiting for the disk), with memory only
   if it is free. A warm does the same for one version at once (``store_lost_now``), then checks
@@ -25,7 +29,7 @@ import collections
 import errno
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import trio
@@ -119,6 +123,7 @@ class WriteBehind:
         full is deferred."""
         disk = self.disk
         if disk is None or not disk.enabled or self._nursery is None:
+            self._unlock(key for key, _ in blocks)
             return
         step = self._piece_blocks()
         for at in range(0, len(blocks), step):
@@ -142,6 +147,8 @@ class WriteBehind:
                     block = self.cache.peek(key)
                     if block is not None:
                         self._enqueue_write([(key, block)], force=True)
+                    else:
+                        self._unlock([key])
                     if not entries:
                         self._deferred.remove(entries)
                     return
@@ -176,6 +183,8 @@ class WriteBehind:
         """Once the queue is half empty, queue the deferred blocks still in memory."""
         disk = self.disk
         if disk is None or not disk.enabled:
+            for entries in self._deferred:
+                self._unlock(key for key, _ in entries)
             self._deferred.clear()
             return
         while self._deferred and self._disk_write_bytes <= self._disk_queue_limit() // 2:
@@ -198,9 +207,16 @@ class WriteBehind:
         """A read arrived or a fetch started: the mount is not idle."""
         self.last_activity = trio.current_time()
 
+    def _unlock(self, keys: Iterable[BlockKey]) -> None:
+        """These blocks are on disk, or will not be: other processes sharing the disk tier
+        need not wait for them (see ``objfs.disk_cache.fetching``)."""
+        if self.disk is not None:
+            self.disk.fetch_locks.release_keys(keys)
+
     def _note_lost(self, entries: list[tuple[BlockKey, int]]) -> None:
         """Blocks evicted before the disk writer got to them: counted, and remembered (the
         newest ``BACKFILL_BLOCKS``) for the backfill."""
+        self._unlock(key for key, _ in entries)
         self.disk_not_cached += len(entries)
         for key, length in entries:
             self._lost[key] = length
@@ -381,6 +397,7 @@ class WriteBehind:
             finally:
                 for _, block in run:
                     block.unpin()
+                self._unlock(key for key, _ in run)
                 self._disk_write_bytes -= nbytes
                 self._requeue_deferred()
                 self._disk_written.fire()

@@ -23,8 +23,9 @@ After every step:
   only for a read larger than the reply share, which the kernel never sends, its excess).
 
 At the end of each mount, after closing every handle and letting the background work end:
-``inflight_bytes == 0`` and ``reply_bytes == 0``; at the end of the program the bytes fetched
-from the store stay within a bound (see :func:`fetch_bound`).
+``inflight_bytes == 0`` and ``reply_bytes == 0``, and the mount holds no fetch lock (the node's
+one-fetch-per-block locks, ``objfs.disk_cache.fetching``); at the end of the program the bytes
+fetched from the store stay within a bound (see :func:`fetch_bound`).
 """
 
 from __future__ import annotations
@@ -536,6 +537,10 @@ async def run_program(world: World, program: Sequence[Mount], tmp: str) -> None:
             assert model.fs.cache.replies.reclaim is not None
             model.fs.cache.replies.reclaim()
             stats = model.fs.cache.statistics()
+            if model.fs.disk is not None:
+                # Every fetch lock ends with its fetch and its disk write (or their failure).
+                held = model.fs.disk.fetch_locks.held()
+                assert held == 0, f"closed mount {number}: {held} fetch locks held"
             assert stats["inflight_bytes"] == 0, f"closed mount {number}: {stats}"
             assert stats["reply_bytes"] == 0, f"closed mount {number}: {stats}"
             fs_nursery.cancel_scope.cancel()

@@ -7,9 +7,10 @@ again), never wrong bytes but for a chance of 2^-64. The versions' files in the 
 allocate at most the size cap, whichever processes share it. A failing disk is a miss, then
 turns the tier off: objfs goes on without it.
 
-Sharing: several objfs processes may share one directory. Identical blocks written twice are
-harmless (the same bytes at the same offsets, the same entry); eviction counts and evicts the
-others' versions too. The directory is private (0700, files 0600).
+Sharing: several objfs processes may share one directory, and fetch each block once between them
+(``fetching.py``). Identical blocks written twice are harmless (the same bytes at the same
+offsets, the same entry); eviction counts and evicts the others' versions too. The directory is
+private (0700, files 0600).
 
 Modules, each with its own contract:
 
@@ -21,6 +22,8 @@ Modules, each with its own contract:
 * ``ledger.py`` and ``space.py``: ``SpaceKeeper``, the size cap shared by processes, the
   free-space floor and eviction.
 * ``stamp.py``: the record of a version verified whole, for FUSE passthrough.
+* ``fetching.py``: ``FetchLocks``, which blocks the processes sharing the directory are
+  fetching, so that each block is fetched once between them.
 * ``cache.py``: ``DiskCache`` (``BlockIO`` and ``SpaceKeeper`` over one ``VersionStore``),
   the interface.
 """

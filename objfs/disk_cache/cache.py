@@ -28,6 +28,7 @@ from collections.abc import Sequence
 import objfs.disk_cache.space as space  # the module: its EVICT_SLACK read at call time
 from objfs.block_cache import BlockKey
 from objfs.disk_cache.blockio import BlockIO, runs
+from objfs.disk_cache.fetching import FetchLocks
 from objfs.disk_cache.layout import (
     ENTRY,
     BlockData,
@@ -46,7 +47,27 @@ log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 class DiskCache(BlockIO, SpaceKeeper):
     """The persistent tier of blocks of one cache directory: ``DiskCache(directory, *,
-    namespace, block_size, size_limit_bytes, min_free_bytes)`` (see ``SpaceKeeper``)."""
+    namespace, block_size, size_limit_bytes, min_free_bytes)`` (see ``SpaceKeeper``).
+    ``fetch_locks``: which blocks processes sharing the directory are fetching (``fetching.py``;
+    the trio thread's, unlike the rest, which any thread may use)."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        namespace: str,
+        block_size: int,
+        size_limit_bytes: int,
+        min_free_bytes: int,
+    ) -> None:
+        super().__init__(
+            directory,
+            namespace=namespace,
+            block_size=block_size,
+            size_limit_bytes=size_limit_bytes,
+            min_free_bytes=min_free_bytes,
+        )
+        self.fetch_locks = FetchLocks(self.root, lambda key, etag: self._version(key, etag).digest)
 
     def locate(self, key: str, etag: str, index: int) -> BlockLocation:
         """The files and offsets of block ``index`` of a version (for tests and tools)."""
@@ -375,7 +396,9 @@ class DiskCache(BlockIO, SpaceKeeper):
         return missing
 
     def close(self) -> None:
-        """Close the open files (those in use when their last user is done)."""
+        """Close the open files (those in use when their last user is done) and drop the
+        fetch locks."""
+        self.fetch_locks.close()
         with self._lock:
             unused = [f for f in self._files.values() if f.users == 0]
             for files in self._files.values():
@@ -393,6 +416,7 @@ class DiskCache(BlockIO, SpaceKeeper):
                 "disk_writes": self.writes,
                 "disk_corrupt": self.corrupt,
                 "disk_bytes": self._total,
+                "disk_fetch_waits": self.fetch_locks.waits,
                 "disk_enabled": int(self.enabled),
                 "disk_errors": self.errors,
                 "disk_evictions": self.evictions,

@@ -1,0 +1,145 @@
+"""Which blocks some process sharing the cache directory is fetching now (``FetchLocks``).
+
+Mounts that share a cache directory (pods of one identity on a node, several systemd mounts
+of one source on a host) fetch each block once between them: a mount about to fetch a block
+takes its lock first; a mount that finds it taken waits for the block to land in the disk tier
+instead, and reads it from there.
+
+Contract:
+
+* A block's lock is a write lock (``F_OFD_SETLK``, never waiting) on one byte of the
+  directory's file ``fetching``, at an offset made of the version's digest and the block's
+  index. Open file description locks conflict between every two opens of the file, in one
+  process or in two, and the kernel drops them when the descriptor is closed or its holder
+  dies: a killed fetcher never blocks the others.
+* ``take`` takes the locks of the blocks it can and says which; a taken lock stays until
+  ``release`` (the block is on disk, or will not be: the holder fetched it and gave up on
+  writing it, or its fetch failed) or ``close``. Releasing is idempotent.
+* Two versions may share an offset (40 bits of the digest): a waiter then waits for an
+  unrelated fetch and finds nothing on disk after it, and fetches the block itself. That costs
+  time, never bytes: a block is read from the disk tier only after its hash is checked.
+* A file system that refuses the locks (some network file systems) turns them off with one
+  warning: every mount then fetches for itself, as before.
+
+Trio thread only: the calls are non-blocking system calls of a few microseconds.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import logging
+import os
+import struct
+from collections.abc import Callable, Iterable
+
+from objfs.block_cache import BlockKey
+
+log = logging.getLogger("objfs.disk_cache")  # one name for the tier
+
+# struct flock (LP64 Linux: l_type, l_whence short; l_start, l_len off_t; l_pid int), padded
+# to its C size.
+_FLOCK = struct.Struct("@hhqqi")
+_FLOCK_SIZE = 32
+# Block indexes per version in the lock file's offsets (4 Ti blocks of 1 MiB: any object).
+_INDEX_BITS = 22
+# Bits of the digest above them (offsets stay under 2^62, within off_t).
+_DIGEST_BITS = 40
+_CONFLICT = frozenset({errno.EAGAIN, errno.EACCES})
+
+
+def lock_offset(digest: str, index: int) -> int:
+    """The byte of the lock file that stands for block ``index`` of version ``digest``."""
+    high = int(digest[: _DIGEST_BITS // 4], 16)
+    return (high << _INDEX_BITS) + (index % (1 << _INDEX_BITS))
+
+
+class FetchLocks:
+    """The fetch locks of one cache directory, as this open of its lock file holds them.
+    ``digest_of(key, etag)``: a version's digest (the disk tier's naming)."""
+
+    def __init__(self, root: str, digest_of: Callable[[str, str], str]) -> None:
+        self.path = os.path.join(root, "fetching")
+        self.enabled = True
+        self._digest_of = digest_of
+        self._digests: dict[tuple[str, str], str] = {}
+        self._fd = -1  # opened at the first take (most opens of a cache never fetch)
+        self._held: set[int] = set()  # offsets locked here
+        self.waits = 0  # blocks another process was fetching when this one wanted them
+
+    def _offset(self, key: str, etag: str, index: int) -> int:
+        digest = self._digests.get((key, etag))
+        if digest is None:
+            if len(self._digests) >= 4096:
+                self._digests.clear()
+            digest = self._digests[(key, etag)] = self._digest_of(key, etag)
+        return lock_offset(digest, index)
+
+    def take(self, key: str, etag: str, indexes: Iterable[int]) -> list[int]:
+        """Lock the blocks ``indexes`` of version (key, etag) that no other open of the lock
+        file holds; returns those (all of them when the locks are off)."""
+        wanted = list(indexes)
+        if not self.enabled:
+            return wanted
+        if self._fd < 0:
+            try:
+                self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            except OSError as exc:
+                self._refused(exc)
+                return wanted
+        taken = []
+        for index in wanted:
+            offset = self._offset(key, etag, index)
+            if offset in self._held or self._lock(offset, fcntl.F_WRLCK):
+                self._held.add(offset)
+                taken.append(index)
+            elif not self.enabled:
+                return wanted
+        self.waits += len(wanted) - len(taken)
+        return taken
+
+    def release(self, key: str, etag: str, indexes: Iterable[int]) -> None:
+        """Unlock blocks of (key, etag) that this open holds (the others are left alone)."""
+        for index in indexes:
+            offset = self._offset(key, etag, index)
+            if offset in self._held:
+                self._held.discard(offset)
+                if self.enabled:
+                    self._lock(offset, fcntl.F_UNLCK)
+
+    def release_keys(self, keys: Iterable[BlockKey]) -> None:
+        """``release`` by block keys."""
+        for k in keys:
+            self.release(k.key, k.etag, [k.block])
+
+    def held(self) -> int:
+        """How many block locks this open holds."""
+        return len(self._held)
+
+    def close(self) -> None:
+        """Drop every lock (closing the descriptor does it); the locks are off after."""
+        self._held.clear()
+        self.enabled = False
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _lock(self, offset: int, kind: int) -> bool:
+        """One lock operation on one byte; False when another open holds it."""
+        request = _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0).ljust(_FLOCK_SIZE, b"\0")
+        try:
+            fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, request)
+        except OSError as exc:
+            if exc.errno in _CONFLICT:
+                return False
+            self._refused(exc)
+            return False
+        return True
+
+    def _refused(self, exc: OSError) -> None:
+        log.warning(
+            "disk cache: fetch locks refused in %s (%s); each mount fetches for itself",
+            self.path,
+            exc.strerror or exc,
+        )
+        self.close()  # none may stay held: the others would wait for them
