@@ -358,17 +358,74 @@ class Fetcher:
         self, handle: Handle, first: int, stop: int, reservation: Reservation
     ) -> None:
         """Fill claimed blocks [first, stop) from disk or the store, spending ``reservation``
-        on each block cached. A block another process sharing the disk tier is fetching is
-        waited for and read from the disk (see ``_from_store``)."""
+        on each block cached, each block fetched once per node: see ``_fill``."""
         indexes = range(first, stop)
         new = self.cache.new_blocks([self.length(handle, i) for i in indexes])
         blocks = dict(zip(indexes, new, strict=True))
         try:
-            missing = await self._from_disk(handle, list(blocks), blocks, reservation)
-            await self._from_store(handle, missing, blocks, reservation)
+            await self._fill(handle, blocks, reservation)
         finally:
             for block in blocks.values():
                 block.discard()
+
+    async def _fill(
+        self, handle: Handle, blocks: dict[int, Block], reservation: Reservation
+    ) -> None:
+        """Fill ``blocks`` (taken out as they are cached) from the disk tier, else the store
+        with one ranged GET per run, each block fetched once by the processes sharing the
+        disk tier (``objfs.disk_cache.fetching``): the fetch locks of the blocks are taken
+        before the disk is read, so a block is fetched only by the process that holds its
+        lock and did not find it on disk; a block another process holds is left to it, and
+        read from the disk once its lock is free (its holder wrote it, or gave up: then this
+        process takes the lock, reads the disk and fetches it if still missing). The
+        write-behind releases the locks of the blocks fetched here once they are on disk, or
+        will not be. After ``NODE_FETCH_WAIT_S`` of waiting for another process's fetch, the
+        disk is read once more and the rest fetched without locks."""
+        disk = self.disk
+        use_disk = disk is not None and disk.enabled
+        locks = disk.fetch_locks if disk is not None and use_disk else None
+        missing = list(blocks)
+        waited_since: float | None = None
+        delay = _LOCK_POLL_S
+        while missing:
+            timed_out = (
+                waited_since is not None and trio.current_time() - waited_since > NODE_FETCH_WAIT_S
+            )
+            locked: list[int] = []
+            if locks is not None and not timed_out:
+                locked = locks.take(handle.key, handle.etag, missing)
+            try:
+                # Ours to fetch (unless on disk): the blocks locked, or all without locks.
+                candidates = missing if locks is None or timed_out else locked
+                if use_disk and (waited_since is None or candidates):
+                    # The first round reads every missing block (another process's may have
+                    # landed already); later ones what this process may now fetch.
+                    wanted = missing if waited_since is None else candidates
+                    left = await self._from_disk(handle, wanted, blocks, reservation)
+                    if locks is not None and locked:
+                        found = [i for i in locked if i not in left]
+                        locks.release(handle.key, handle.etag, found)
+                        locked = [i for i in locked if i in left]
+                    candidates = [i for i in candidates if i in left]
+                    missing = [i for i in missing if i in left]
+                for run in _runs(candidates):
+                    await self._get_run(handle, run, blocks, reservation)
+                    locked = [i for i in locked if i not in run]  # the write-behind's now
+            except BaseException:
+                if locks is not None and locked:
+                    locks.release(handle.key, handle.etag, locked)  # not fetched
+                raise
+            done = set(candidates)
+            theirs = [i for i in missing if i not in done]
+            if theirs and locks is not None and waited_since is None:
+                locks.waits += len(theirs)  # blocks another process was fetching
+            missing = theirs
+            if missing:
+                # Fetched by another process now: wait for its locks, then read the disk.
+                if waited_since is None:
+                    waited_since = trio.current_time()
+                await trio.sleep(delay)
+                delay = min(delay * 2, _LOCK_POLL_MAX_S)
 
     async def _from_disk(
         self,
@@ -379,8 +436,7 @@ class Fetcher:
     ) -> list[int]:
         """Cache the blocks among ``wanted`` that the disk tier holds (taken out of
         ``blocks``); returns the others."""
-        disk = self.disk
-        if disk is None or not disk.enabled or not wanted:
+        if not wanted:
             return wanted
         found = await trio.to_thread.run_sync(
             self.read_disk_blocks_into,
@@ -394,51 +450,6 @@ class Fetcher:
             self.writes.on_disk(key, block)
             self.cache.put(key, block, reservation)
         return [i for i in wanted if i not in found]
-
-    async def _from_store(
-        self,
-        handle: Handle,
-        missing: list[int],
-        blocks: dict[int, Block],
-        reservation: Reservation,
-    ) -> None:
-        """Fetch ``missing`` from the store, one ranged GET per run, each block once per
-        node: a block whose fetch lock another process sharing the disk tier holds is left
-        to it, and read from the disk once the lock is free (its holder wrote it, or gave
-        up: then this process takes the lock and fetches it). The write-behind releases the
-        locks of the blocks fetched here once they are on disk (or will not be). Waits at
-        most ``NODE_FETCH_WAIT_S`` for another's fetch, then fetches without the lock."""
-        disk = self.disk
-        locks = disk.fetch_locks if disk is not None and disk.enabled else None
-        waited_since: float | None = None
-        delay = _LOCK_POLL_S
-        while missing:
-            if locks is None or (
-                waited_since is not None and trio.current_time() - waited_since > NODE_FETCH_WAIT_S
-            ):
-                mine, locked = missing, []
-            else:
-                mine = locked = locks.take(handle.key, handle.etag, missing)
-                if locked and waited_since is not None:
-                    # Landed meanwhile? Those found need no fetch (nor their locks).
-                    mine = await self._from_disk(handle, locked, blocks, reservation)
-                    locks.release(handle.key, handle.etag, set(locked) - set(mine))
-                    locked = mine
-            try:
-                for run in _runs(mine):
-                    await self._get_run(handle, run, blocks, reservation)
-                    locked = [i for i in locked if i not in run]  # the write-behind's now
-            finally:
-                if locks is not None and locked:
-                    locks.release(handle.key, handle.etag, locked)  # not fetched
-            done = set(mine) | {i for i in missing if i not in blocks}
-            missing = [i for i in missing if i not in done]
-            if missing:
-                # Fetched by another process now: wait for its lock, then read the disk.
-                if waited_since is None:
-                    waited_since = trio.current_time()
-                await trio.sleep(delay)
-                delay = min(delay * 2, _LOCK_POLL_MAX_S)
 
     async def _get_run(
         self, handle: Handle, run: list[int], blocks: dict[int, Block], reservation: Reservation

@@ -10,10 +10,11 @@
   noted, and once the queue has drained to half the bound the deferred blocks still in memory
   are queued; those evicted meanwhile are not cached on disk (counted) but remembered as
   *lost*.
-* **Fetch locks.** Blocks a fetch took the node's fetch locks for (``Fetcher._from_store``)
-  are released here once written, or once they will not be (evicted before the writer got to
-  them, the tier off): another mount sharing the disk tier then reads them from the disk, or
-  fetches them itself.
+* **Fetch locks.** Blocks a fetch took the node's fetch locks for (``Fetcher._fill``) are
+  released here once written, or once they will not be (evicted before the writer got to them,
+  the tier off; a deferred block keeps its lock): another mount sharing the disk tier then
+  reads them from the disk, or fetches them itself. The backfill takes no locks (it fetches
+  again, when idle, blocks this mount lost).
 * **Backfill.** Lost blocks are fetched again and written once the mount has been idle for
   ``BACKFILL_IDLE_S`` (no read, no read-ahead, nothing waiting for the disk), with memory only
   if it is free. A warm does the same for one version at once (``store_lost_now``), then checks
@@ -129,6 +130,8 @@ class WriteBehind:
         for at in range(0, len(blocks), step):
             piece = blocks[at : at + step]
             if not self._enqueue_write(piece):
+                # Their locks stay: another mount waiting for them would fetch them again
+                # (the disk is behind the store now; it catches up within seconds).
                 self.disk_deferred += 1
                 if len(self._deferred) == self._deferred.maxlen:
                     self._note_lost(self._deferred[0])

@@ -12,12 +12,15 @@ Contract:
   index. Open file description locks conflict between every two opens of the file, in one
   process or in two, and the kernel drops them when the descriptor is closed or its holder
   dies: a killed fetcher never blocks the others.
-* ``take`` takes the locks of the blocks it can and says which; a taken lock stays until
+* ``take`` takes the locks of the blocks it can and says which (a failure of a moment, such as
+  no descriptor left, counts as taken: that block is fetched unlocked); a taken lock stays until
   ``release`` (the block is on disk, or will not be: the holder fetched it and gave up on
   writing it, or its fetch failed) or ``close``. Releasing is idempotent.
-* Two versions may share an offset (40 bits of the digest): a waiter then waits for an
-  unrelated fetch and finds nothing on disk after it, and fetches the block itself. That costs
-  time, never bytes: a block is read from the disk tier only after its hash is checked.
+* Two blocks may share an offset (36 bits of the digest; indexes past 2^26): a waiter in
+  another process then waits for an unrelated fetch, reads the disk and fetches the block
+  itself if it is not there; in this process the byte stays locked until every block on it is
+  released. That costs time at most: a block is read from the disk tier only after its hash
+  is checked.
 * A file system that refuses the locks (some network file systems) turns them off with one
   warning: every mount then fetches for itself, as before.
 
@@ -41,11 +44,15 @@ log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 # to its C size.
 _FLOCK = struct.Struct("@hhqqi")
 _FLOCK_SIZE = 32
-# Block indexes per version in the lock file's offsets (4 Ti blocks of 1 MiB: any object).
-_INDEX_BITS = 22
+# Block indexes per version in the lock file's offsets (64 Mi blocks: 64 TiB of 1 MiB blocks,
+# past any object a store holds; beyond, indexes wrap and share bytes).
+_INDEX_BITS = 26
 # Bits of the digest above them (offsets stay under 2^62, within off_t).
-_DIGEST_BITS = 40
+_DIGEST_BITS = 36
 _CONFLICT = frozenset({errno.EAGAIN, errno.EACCES})
+# Errors of a moment (descriptors, memory): that block is fetched without its lock, and the
+# locks stay on.
+_TRANSIENT = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.EINTR})
 
 
 def lock_offset(digest: str, index: int) -> int:
@@ -64,8 +71,10 @@ class FetchLocks:
         self._digest_of = digest_of
         self._digests: dict[tuple[str, str], str] = {}
         self._fd = -1  # opened at the first take (most opens of a cache never fetch)
-        self._held: set[int] = set()  # offsets locked here
-        self.waits = 0  # blocks another process was fetching when this one wanted them
+        # Offsets locked here, and the blocks (key, etag, index) that hold each.
+        self._held: dict[int, set[tuple[str, str, int]]] = {}
+        #: Blocks this process wanted while another was fetching them (the fetcher counts).
+        self.waits = 0
 
     def _offset(self, key: str, etag: str, index: int) -> int:
         digest = self._digests.get((key, etag))
@@ -85,35 +94,52 @@ class FetchLocks:
             try:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
             except OSError as exc:
-                self._refused(exc)
+                if exc.errno not in _TRANSIENT:
+                    self._refused(exc)
                 return wanted
         taken = []
         for index in wanted:
             offset = self._offset(key, etag, index)
-            if offset in self._held or self._lock(offset, fcntl.F_WRLCK):
-                self._held.add(offset)
-                taken.append(index)
-            elif not self.enabled:
-                return wanted
-        self.waits += len(wanted) - len(taken)
+            holders = self._held.get(offset)
+            if holders is None:
+                got = self._lock(offset, fcntl.F_WRLCK)
+                if not self.enabled:
+                    return wanted
+                if got is None:
+                    taken.append(index)  # a failure of a moment: fetched unlocked
+                    continue
+                if not got:
+                    continue
+                holders = self._held[offset] = set()
+            holders.add((key, etag, index))
+            taken.append(index)
         return taken
 
     def release(self, key: str, etag: str, indexes: Iterable[int]) -> None:
-        """Unlock blocks of (key, etag) that this open holds (the others are left alone)."""
+        """Unlock blocks of (key, etag) that this open holds (the others are left alone); a
+        byte is unlocked once no block that holds it here is left."""
+        if not self._held:
+            return
         for index in indexes:
             offset = self._offset(key, etag, index)
-            if offset in self._held:
-                self._held.discard(offset)
+            holders = self._held.get(offset)
+            if holders is None:
+                continue
+            holders.discard((key, etag, index))
+            if not holders:
+                del self._held[offset]
                 if self.enabled:
                     self._lock(offset, fcntl.F_UNLCK)
 
     def release_keys(self, keys: Iterable[BlockKey]) -> None:
         """``release`` by block keys."""
+        if not self._held:
+            return
         for k in keys:
             self.release(k.key, k.etag, [k.block])
 
     def held(self) -> int:
-        """How many block locks this open holds."""
+        """How many bytes of the lock file (blocks' locks) this open holds."""
         return len(self._held)
 
     def close(self) -> None:
@@ -124,14 +150,17 @@ class FetchLocks:
             os.close(self._fd)
             self._fd = -1
 
-    def _lock(self, offset: int, kind: int) -> bool:
-        """One lock operation on one byte; False when another open holds it."""
+    def _lock(self, offset: int, kind: int) -> bool | None:
+        """One lock operation on one byte; False when another open holds it, None for a
+        failure of a moment (the locks stay on; any other failure turns them off)."""
         request = _FLOCK.pack(kind, os.SEEK_SET, offset, 1, 0).ljust(_FLOCK_SIZE, b"\0")
         try:
             fcntl.fcntl(self._fd, fcntl.F_OFD_SETLK, request)
         except OSError as exc:
             if exc.errno in _CONFLICT:
                 return False
+            if exc.errno in _TRANSIENT:
+                return None
             self._refused(exc)
             return False
         return True
