@@ -21,6 +21,9 @@ Contract:
   itself if it is not there; in this process the byte stays locked until every block on it is
   released. That costs time at most: a block is read from the disk tier only after its hash
   is checked.
+* Once per node is as good as the disk tier keeps what it is given: a block the memory tier
+  drops before the disk writer gets to it (a budget too small for the load), or one the disk
+  refuses (its cap, its free-space floor), is fetched again by whichever mount needs it next.
 * A file system that refuses the locks (some network file systems) turns them off with one
   warning: every mount then fetches for itself, as before.
 
