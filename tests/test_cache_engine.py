@@ -15,6 +15,7 @@ engine URLs name the bucket with virtual-hosted addressing too.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import os
@@ -154,14 +155,21 @@ def origin(s3_server: Any) -> Iterator[Proxy]:
         yield proxy
 
 
-@pytest.fixture
-def engine(origin: Proxy, tmp_path: Path) -> Iterator[Engine]:
-    e = Engine(tmp_path / "nginx", origin)
+@contextlib.contextmanager
+def running_engine(run_dir: Path, origin: Proxy) -> Iterator[Engine]:
+    """The shipped configuration running in ``run_dir`` in front of ``origin``, killed after."""
+    e = Engine(run_dir, origin)
     e.start()
     try:
         yield e
     finally:
         e.kill()
+
+
+@pytest.fixture
+def engine(origin: Proxy, tmp_path: Path) -> Iterator[Engine]:
+    with running_engine(tmp_path / "nginx", origin) as e:
+        yield e
 
 
 def _node(mount_s3: Any, bucket: str, origin: Proxy, engine: Engine, name: str, tmp: Path) -> Mount:
@@ -396,12 +404,8 @@ def weed_origin(weed: Any) -> Iterator[Proxy]:
 
 @pytest.fixture
 def weed_engine(weed_origin: Proxy, tmp_path: Path) -> Iterator[Engine]:
-    e = Engine(tmp_path / "nginx", weed_origin)
-    e.start()
-    try:
+    with running_engine(tmp_path / "nginx", weed_origin) as e:
         yield e
-    finally:
-        e.kill()
 
 
 @pytest.fixture

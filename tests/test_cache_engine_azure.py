@@ -33,7 +33,7 @@ from tests.azurite import DEV_ACCOUNT, DEV_KEY, put_blobs
 from tests.conftest import Mount, fresh_status, load_at_once, run_objfs, sha256
 from tests.helpers.known_secrets import remember
 from tests.helpers.proxy import FaultPlan, Proxy
-from tests.test_cache_engine import PART, Engine
+from tests.test_cache_engine import PART, Engine, running_engine
 from tests.test_cli_errors import assert_one_line_error
 
 MiB = 1 << 20
@@ -48,12 +48,8 @@ def origin(azurite: Any) -> Iterator[Proxy]:
 
 @pytest.fixture
 def engine(origin: Proxy, tmp_path: Path) -> Iterator[Engine]:
-    e = Engine(tmp_path / "nginx", origin)
-    e.start()
-    try:
+    with running_engine(tmp_path / "nginx", origin) as e:
         yield e
-    finally:
-        e.kill()
 
 
 def _node(
