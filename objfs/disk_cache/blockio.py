@@ -226,32 +226,15 @@ class BlockIO(VersionStore):
         hashes = [block_hash(view) for view in views]
         total = (len(views) - 1) * self.block_size + len(views[-1])
         written = -1
-        tail = views[-1]
-        if self._use_direct(files) and len(tail) % PAGE:
-            # An object's last block, short of a page: O_DIRECT would pad it to a page and
-            # grow the file past the object's end (a passthrough reader would read the
-            # zeros). The whole pages go direct, the rest through a buffered descriptor.
-            written = self._write_tail(files, views, offset)
-        elif self._use_direct(files):
-            capable = [_direct_capable(view) for view in views]
-            with self._aligned_buffers(capable.count(False)) as pool:
-                spare = iter(pool)
-                iov: list[memoryview] = []
-                for view, as_is in zip(views, capable, strict=True):
-                    if as_is:
-                        iov.append(view)  # the caller's page-aligned buffer: no copy
-                        continue
-                    buf = memoryview(next(spare))[: len(view)]  # whole pages (see above)
-                    buf[:] = view
-                    iov.append(buf)
-                try:
-                    written = os.pwritev(files.data_fd, iov, offset)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-            if written < 0:  # O_DIRECT accepted at open but not for the write
-                self._no_direct(files)
-        if written < 0:
+        if self._use_direct(files):
+            if len(views[-1]) % PAGE:
+                # An object's last block, short of a page: O_DIRECT would pad it to a page and
+                # grow the file past the object's end (a passthrough reader would read the
+                # zeros). The whole pages go direct, the rest through a buffered descriptor.
+                written = self._write_tail(files, views, offset)
+            else:
+                written = self._pwritev_direct(files, views, offset)
+        if written < 0:  # buffered I/O, or O_DIRECT accepted at open but not for the write
             written = os.pwritev(files.data_fd, views, offset)
         whole = 0
         while whole < len(views) and whole * self.block_size + len(views[whole]) <= written:
@@ -265,37 +248,44 @@ class BlockIO(VersionStore):
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return whole
 
+    def _pwritev_direct(self, files: Files, views: list[memoryview], offset: int) -> int:
+        """One O_DIRECT pwritev of ``views`` (whole pages each) at ``offset``: a caller's
+        page-aligned buffer as it is, any other copied into a pooled aligned one. Returns
+        the bytes written, or -1 where O_DIRECT turns out refused for writes (the tier then
+        falls back to buffered I/O)."""
+        capable = [_direct_capable(view) for view in views]
+        with self._aligned_buffers(capable.count(False)) as pool:
+            spare = iter(pool)
+            iov: list[memoryview] = []
+            for view, as_is in zip(views, capable, strict=True):
+                if as_is:
+                    iov.append(view)  # the caller's page-aligned buffer: no copy
+                    continue
+                staged = memoryview(next(spare))[: len(view)]
+                staged[:] = view
+                iov.append(staged)
+            try:
+                return os.pwritev(files.data_fd, iov, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+        self._no_direct(files)
+        return -1
+
     def _write_tail(self, files: Files, views: list[memoryview], offset: int) -> int:
         """Write ``views`` (the last one short of a page) at ``offset`` without growing the
         data file past their end: every view but the last, and the last one's whole pages,
         with O_DIRECT; its remainder through a buffered descriptor of the same file. Returns
-        the bytes written from ``offset`` (short: a full disk)."""
+        the bytes written from ``offset`` (short: a full disk), or -1 where O_DIRECT is
+        refused for writes (nothing written)."""
         tail = views[-1]
         pages = len(tail) - len(tail) % PAGE
         head = [*views[:-1], tail[:pages]] if pages else views[:-1]
         written = 0
         if head:
-            head_bytes = sum(len(view) for view in head)
-            capable = [_direct_capable(view) for view in head]
-            with self._aligned_buffers(capable.count(False)) as pool:
-                spare = iter(pool)
-                iov = []
-                for view, as_is in zip(head, capable, strict=True):
-                    if as_is:
-                        iov.append(view)  # the caller's page-aligned buffer: no copy
-                    else:
-                        staged = memoryview(next(spare))[: len(view)]
-                        staged[:] = view
-                        iov.append(staged)
-                try:
-                    written = os.pwritev(files.data_fd, iov, offset)
-                except OSError as exc:
-                    if exc.errno != errno.EINVAL:
-                        raise
-                    self._no_direct(files)
-                    return int(os.pwritev(files.data_fd, views, offset))
-            if written < head_bytes:
-                return written
+            written = self._pwritev_direct(files, head, offset)
+            if written < sum(len(view) for view in head):
+                return written  # -1, or a full disk
         # The same inode as files.data_fd (the path may name a newer file by now).
         fd = os.open(f"/proc/self/fd/{files.data_fd}", os.O_WRONLY | os.O_CLOEXEC)
         try:
