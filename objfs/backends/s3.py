@@ -195,22 +195,8 @@ class S3Backend(Backend):
             clients = self._regional.get(region)
             if clients is None:
                 clients = (
-                    make_client(
-                        self._session,
-                        self.options,
-                        self.endpoint,
-                        self.options.max_attempts,
-                        self._ca_file,
-                        region,
-                    ),
-                    make_client(
-                        self._session,
-                        self.options,
-                        self.endpoint,
-                        _CHECK_ATTEMPTS,
-                        self._ca_file,
-                        region,
-                    ),
+                    self._new_client(region, self.options.max_attempts),
+                    self._new_client(region, _CHECK_ATTEMPTS),
                 )
                 self._regional[region] = clients
             other._client, other._check_client = clients
@@ -226,17 +212,24 @@ class S3Backend(Backend):
             if self.options.path_style():
                 client = self._regional[region][0]
             else:
-                client = make_client(
-                    self._session,
-                    self.options,
-                    self.endpoint,
-                    self.options.max_attempts,
-                    self._ca_file,
-                    region,
-                    path_style=True,
-                )
+                client = self._new_client(region, self.options.max_attempts, path_style=True)
             self._engine_clients[region] = client
         return client
+
+    def _new_client(
+        self, region: str, attempts: int, *, path_style: bool | None = None
+    ) -> S3Client:
+        """A client of this backend's session, endpoint and CAs for ``region`` (``path_style``:
+        see make_client)."""
+        return make_client(
+            self._session,
+            self.options,
+            self.endpoint,
+            attempts,
+            self._ca_file,
+            region,
+            path_style=path_style,
+        )
 
     async def list_buckets(self, *, check: bool = False) -> list[tuple[str, str | None]]:
         """Every bucket the credentials can list (ListBuckets, page by page), with its region
