@@ -70,6 +70,12 @@ def _end(child: subprocess.Popen[bytes]) -> None:
 
 
 def test_fetch_locks_exclude_other_opens_and_are_released(tmp_path: Path) -> None:
+    fds_before = len(os.listdir("/proc/self/fd"))
+    c = FetchLocks(str(tmp_path), _digest)
+    assert c.take("k", "e", [7]) == [7]
+    assert len(os.listdir("/proc/self/fd")) == fds_before + 1
+    c.release("k", "e", [7])
+    assert len(os.listdir("/proc/self/fd")) == fds_before  # no lock held: no descriptor
     a, b = FetchLocks(str(tmp_path), _digest), FetchLocks(str(tmp_path), _digest)
     try:
         assert a.take("k", "e", [0, 1, 2]) == [0, 1, 2]

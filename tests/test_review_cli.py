@@ -17,7 +17,7 @@ import json
 import logging
 import os
 import resource
-import select
+import selectors
 import shutil
 import socket
 import ssl
@@ -335,9 +335,19 @@ class TlsFront:
             self.handshakes_refused += 1
             conn.close()
             return
-        with tls, socket.create_connection(self._target) as upstream:
+        # A selector, not select(): the test process may hold descriptors past FD_SETSIZE.
+        with (
+            tls,
+            socket.create_connection(self._target) as upstream,
+            selectors.DefaultSelector() as selector,
+        ):
+            selector.register(tls, selectors.EVENT_READ)
+            selector.register(upstream, selectors.EVENT_READ)
             while True:
-                ready = [tls] if tls.pending() else select.select([tls, upstream], [], [], 60)[0]
+                if tls.pending():
+                    ready: list[socket.socket] = [tls]
+                else:
+                    ready = [key.fileobj for key, _ in selector.select(60)]  # type: ignore[misc]
                 if not ready:
                     return
                 for src in ready:

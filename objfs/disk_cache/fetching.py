@@ -12,6 +12,7 @@ Contract:
   index. Open file description locks conflict between every two opens of the file, in one
   process or in two, and the kernel drops them when the descriptor is closed or its holder
   dies: a killed fetcher never blocks the others.
+* The lock file is open only while this open holds a lock (closing it drops none then).
 * ``take`` takes the locks of the blocks it can and says which (a failure of a moment, such as
   no descriptor left, counts as taken: that block is fetched unlocked); a taken lock stays until
   ``release`` (the block is on disk, or will not be: the holder fetched it and gave up on
@@ -73,7 +74,7 @@ class FetchLocks:
         self.enabled = True
         self._digest_of = digest_of
         self._digests: dict[tuple[str, str], str] = {}
-        self._fd = -1  # opened at the first take (most opens of a cache never fetch)
+        self._fd = -1  # open only while a lock is held (see _close_if_idle)
         # Offsets locked here, and the blocks (key, etag, index) that hold each.
         self._held: dict[int, set[tuple[str, str, int]]] = {}
         #: Blocks this process wanted while another was fetching them (the fetcher counts).
@@ -116,6 +117,7 @@ class FetchLocks:
                 holders = self._held[offset] = set()
             holders.add((key, etag, index))
             taken.append(index)
+        self._close_if_idle()
         return taken
 
     def release(self, key: str, etag: str, indexes: Iterable[int]) -> None:
@@ -133,6 +135,7 @@ class FetchLocks:
                 del self._held[offset]
                 if self.enabled:
                     self._lock(offset, fcntl.F_UNLCK)
+        self._close_if_idle()
 
     def release_keys(self, keys: Iterable[BlockKey]) -> None:
         """``release`` by block keys."""
@@ -144,6 +147,13 @@ class FetchLocks:
     def held(self) -> int:
         """How many bytes of the lock file (blocks' locks) this open holds."""
         return len(self._held)
+
+    def _close_if_idle(self) -> None:
+        """No lock held: the descriptor goes too (it is opened again by the next take), so an
+        open of the cache that stopped fetching, or was never closed, holds none."""
+        if not self._held and self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
     def close(self) -> None:
         """Drop every lock (closing the descriptor does it); the locks are off after."""
