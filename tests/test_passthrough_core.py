@@ -360,17 +360,17 @@ def test_a_version_evicted_and_written_again_during_the_check_is_not_handed_out(
     blocks = [data[i * MiB : (i + 1) * MiB] for i in range(4)]
     here = disk_cache(tmp_path / "c")
     assert here.write_blocks("p/x.bin", '"e"', 0, blocks) == 4
-    real_missing = DiskCache.missing_bytes
+    real_table = DiskCache._table
 
-    def replaced_meanwhile(self: DiskCache, key: str, etag: str, lengths: Any) -> int:
-        listed = real_missing(self, key, etag, lengths)  # the table as it was: all listed
+    def replaced_meanwhile(v: Any, count: int) -> bytes | None:
+        table = real_table(v, count)  # the table as it was: all listed
         evictor = disk_cache(tmp_path / "c")
         evictor.size_limit_bytes = 0
         evictor.evict()
-        assert disk_cache(tmp_path / "c").write_blocks(key, etag, 3, blocks[3:]) == 1
-        return listed
+        assert disk_cache(tmp_path / "c").write_blocks("p/x.bin", '"e"', 3, blocks[3:]) == 1
+        return table
 
-    monkeypatch.setattr(DiskCache, "missing_bytes", replaced_meanwhile)
+    monkeypatch.setattr(DiskCache, "_table", staticmethod(replaced_meanwhile))
     assert here.open_whole_version("p/x.bin", '"e"', len(data)) is None
     monkeypatch.undo()
     # Not whole now: no passthrough, and nothing this process checked counts for it.

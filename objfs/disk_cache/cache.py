@@ -35,7 +35,7 @@ from objfs.disk_cache.layout import (
     BlockLocation,
     Version,
     byte_view,
-    decode_entry,
+    listed,
 )
 from objfs.disk_cache.ledger import estimate
 from objfs.disk_cache.space import SpaceKeeper
@@ -208,15 +208,11 @@ class DiskCache(BlockIO, SpaceKeeper):
     ) -> set[int]:
         """Which of blocks ``first``, ``first + 1``, ... (``views``: their bytes) the table
         lists already with their length, as positions in ``views``."""
-        table = os.pread(
+        entries = os.pread(
             files.index_fd, len(views) * ENTRY.size, v.table_offset + first * ENTRY.size
         )
-        listed = set()
-        for n, view in enumerate(views):
-            found = decode_entry(table[n * ENTRY.size : (n + 1) * ENTRY.size], first + n)
-            if found is not None and found.intact and found.length == len(view):
-                listed.add(n)
-        return listed
+        present = listed(entries, first, [len(view) for view in views])
+        return {n for n, there in enumerate(present) if there}
 
     def checked_versions(self) -> list[tuple[str, str]]:
         """(key, etag) of the versions this process wrote or read blocks of."""
@@ -294,8 +290,13 @@ class DiskCache(BlockIO, SpaceKeeper):
             # The table is read after the file is open, and the file must still be the one
             # its path names: a table listing every block then speaks for this file (a
             # version evicted and written again meanwhile is another file, refused here).
-            listed = not self.missing_bytes(key, etag, lengths)
-            if listed and self._current(v, fd) and self._whole(key, etag, v, fd, lengths):
+            table = self._table(v, len(lengths))
+            if (
+                table is not None
+                and all(listed(table[v.table_offset :], 0, lengths))
+                and self._current(v, fd)
+                and self._whole(key, etag, v, fd, lengths, table)
+            ):
                 if use:
                     self._used_whole(v)
                 return fd
@@ -316,11 +317,14 @@ class DiskCache(BlockIO, SpaceKeeper):
         path_st = os.stat(v.data_path)
         return (path_st.st_dev, path_st.st_ino) == (st.st_dev, st.st_ino)
 
-    def _whole(self, key: str, etag: str, v: Version, fd: int, lengths: Sequence[int]) -> bool:
+    def _whole(
+        self, key: str, etag: str, v: Version, fd: int, lengths: Sequence[int], table: bytes
+    ) -> bool:
         """Whether the data file open as ``fd`` holds exactly version ``v`` (see
-        open_whole_version), verified now if it was not before: the record in the table
-        (``STAMP``: this file's inode and size, the table's hash) is the proof; where the
-        header has no room for one, this process's memory of the file it verified."""
+        open_whole_version; ``table``: its table as read, see ``_table``), verified now if it
+        was not before: the record in the table (``STAMP``: this file's inode and size, the
+        table's hash) is the proof; where the header has no room for one, this process's
+        memory of the file it verified."""
         size = sum(lengths)
         st = os.fstat(fd)
         if st.st_size > size:
@@ -328,8 +332,8 @@ class DiskCache(BlockIO, SpaceKeeper):
             st = os.fstat(fd)
         if st.st_size != size:
             return False
-        stamp = current_stamp(v, len(lengths), fd)
-        if stamp is not None and stamp_recorded(v, stamp):
+        stamp = current_stamp(v, table[v.table_offset :], fd)
+        if stamp is not None and stamp_recorded(v, table, stamp):
             return True
         with self._lock:
             if stamp is None and self._verified.get(v.digest) == (st.st_dev, st.st_ino):
@@ -376,24 +380,29 @@ class DiskCache(BlockIO, SpaceKeeper):
         if not self.enabled or not lengths:
             return total
         v = self._version(key, etag)
+        table = self._table(v, len(lengths))
+        if table is None:
+            return total
+        present = listed(table[v.table_offset :], 0, lengths)
+        return sum(length for length, there in zip(lengths, present, strict=True) if not there)
+
+    @staticmethod
+    def _table(v: Version, count: int) -> bytes | None:
+        """The table of ``v`` as it is now, read afresh by its path (not through a descriptor
+        kept open, so a version another process removed has none) in one read: its header
+        page (the record of a check included) and ``count`` entries, cut short where the
+        table ends; None where there is no table that names ``v``."""
         try:
             fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
         except OSError:
-            return total
+            return None
         try:
-            if os.pread(fd, len(v.header), 0) != v.header:
-                return total
-            table = os.pread(fd, len(lengths) * ENTRY.size, v.table_offset)
+            table = os.pread(fd, v.table_offset + count * ENTRY.size, 0)
         except OSError:
-            return total
+            return None
         finally:
             os.close(fd)
-        missing = 0
-        for index, length in enumerate(lengths):
-            found = decode_entry(table[index * ENTRY.size : (index + 1) * ENTRY.size], index)
-            if found is None or not found.intact or found.length != length:
-                missing += length
-        return missing
+        return table if table[: len(v.header)] == v.header else None
 
     def close(self) -> None:
         """Close the open files (those in use when their last user is done) and drop the

@@ -39,6 +39,7 @@ import hashlib
 import mmap
 import os
 import struct
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import xxhash
@@ -124,6 +125,17 @@ def decode_entry(raw: bytes, index: int) -> TableEntry | None:
         return None
     length, data_hash, check = ENTRY.unpack(raw)
     return TableEntry(length, data_hash, check == entry_check(index, length, data_hash))
+
+
+def listed(entries: bytes, first: int, lengths: Sequence[int]) -> list[bool]:
+    """For blocks ``first``, ``first + 1``, ... whose entries ``entries`` holds as read from
+    the table (cut short where the table ends), whether each is listed present, intact and
+    of its length in ``lengths``."""
+    out = []
+    for n, length in enumerate(lengths):
+        found = decode_entry(entries[n * ENTRY.size : (n + 1) * ENTRY.size], first + n)
+        out.append(found is not None and found.intact and found.length == length)
+    return out
 
 
 def block_hash(data: BlockData | mmap.mmap) -> int:

@@ -23,34 +23,23 @@ from objfs.disk_cache.layout import ENTRY, STAMP, STAMP_MAGIC, Version, block_ha
 log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 
 
-def current_stamp(v: Version, count: int, data_fd: int) -> bytes | None:
-    """What ``STAMP`` holds for ``v`` as its files are now (``count`` blocks; the data file
-    open as ``data_fd``); None when there is no room for it in the header page or the files
-    cannot be read."""
+def current_stamp(v: Version, entries: bytes, data_fd: int) -> bytes | None:
+    """What ``STAMP`` holds for ``v`` as its files are now: its table's ``entries`` (as read)
+    and its data file open as ``data_fd``; None when there is no room for it in the header
+    page or the data file cannot be read."""
     if len(v.header) > v.table_offset - STAMP.size:
         return None
     try:
         st = os.fstat(data_fd)
-        fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            table = os.pread(fd, count * ENTRY.size, v.table_offset)
-        finally:
-            os.close(fd)
     except OSError:
         return None
-    return STAMP.pack(STAMP_MAGIC, st.st_ino, st.st_size, xxhash.xxh3_64_intdigest(table))
+    return STAMP.pack(STAMP_MAGIC, st.st_ino, st.st_size, xxhash.xxh3_64_intdigest(entries))
 
 
-def stamp_recorded(v: Version, stamp: bytes) -> bool:
-    """Whether the table of ``v`` holds the record ``stamp``."""
-    try:
-        fd = os.open(v.index_path, os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            return os.pread(fd, STAMP.size, v.table_offset - STAMP.size) == stamp
-        finally:
-            os.close(fd)
-    except OSError:
-        return False
+def stamp_recorded(v: Version, table: bytes, stamp: bytes) -> bool:
+    """Whether the table of ``v``, read from its start (``table``), holds the record
+    ``stamp``."""
+    return table[v.table_offset - STAMP.size : v.table_offset] == stamp
 
 
 def record_stamp(v: Version, stamp: bytes, data_fd: int) -> None:
