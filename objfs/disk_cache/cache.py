@@ -28,7 +28,6 @@ from collections.abc import Sequence
 import objfs.disk_cache.space as space  # the module: its EVICT_SLACK read at call time
 from objfs.block_cache import BlockKey
 from objfs.disk_cache.blockio import BlockIO, runs
-from objfs.disk_cache.fetching import FetchLocks
 from objfs.disk_cache.layout import (
     ENTRY,
     BlockData,
@@ -48,26 +47,8 @@ log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 class DiskCache(BlockIO, SpaceKeeper):
     """The persistent tier of blocks of one cache directory: ``DiskCache(directory, *,
     namespace, block_size, size_limit_bytes, min_free_bytes)`` (see ``SpaceKeeper``).
-    ``fetch_locks``: which blocks processes sharing the directory are fetching (``fetching.py``;
-    the trio thread's, unlike the rest, which any thread may use)."""
-
-    def __init__(
-        self,
-        directory: str,
-        *,
-        namespace: str,
-        block_size: int,
-        size_limit_bytes: int,
-        min_free_bytes: int,
-    ) -> None:
-        super().__init__(
-            directory,
-            namespace=namespace,
-            block_size=block_size,
-            size_limit_bytes=size_limit_bytes,
-            min_free_bytes=min_free_bytes,
-        )
-        self.fetch_locks = FetchLocks(self.root, lambda key, etag: self._version(key, etag).digest)
+    ``fetch_locks`` (``VersionStore``): which blocks processes sharing the directory are
+    fetching (``fetching.py``; the trio thread's, unlike the rest, which any thread may use)."""
 
     def locate(self, key: str, etag: str, index: int) -> BlockLocation:
         """The files and offsets of block ``index`` of a version (for tests and tools)."""

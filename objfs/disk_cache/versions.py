@@ -36,6 +36,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 
 from objfs.disk_cache.directory import ST_BLOCK, create_table, prepare, remove_files, walk
+from objfs.disk_cache.fetching import FetchLocks
 from objfs.disk_cache.layout import MAGIC, PAGE, Version, version
 
 log = logging.getLogger("objfs.disk_cache")  # one name for the tier
@@ -120,6 +121,8 @@ class VersionStore:
         self.corrupt = 0
         self.errors = 0
         self.root = prepare(os.path.abspath(directory))
+        # Which blocks the processes sharing the directory are fetching (trio thread only).
+        self.fetch_locks = FetchLocks(self.root, lambda key, etag: self._version(key, etag).digest)
 
     def _scan(self) -> None:
         """Rebuild the index from the directory (at start, and before each eviction)."""
