@@ -140,6 +140,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 node_id=args.node_id,
                 kubelet_dir=args.kubelet_dir,
                 log_level=args.log_level,
+                node_cache_dir=args.node_cache_dir,
+                node_cache_size=args.node_cache_size,
             )
         if args.if_dead:
             from objfs.mountpoint import clear_dead_mount

@@ -7,7 +7,10 @@ a Unix socket in the pod's ``objfs-fd`` emptyDir; the sidecar (``objfs sidecar -
 1. the sidecar connects;
 2. the node plugin sends one message: a 4-byte big-endian length, then that many bytes of UTF-8
    JSON (the :class:`Offer` payload: ``source``, ``options``, ``volume_id``, ``target_path``,
-   ``version``), with the fd attached to the first byte as ``SCM_RIGHTS`` ancillary data;
+   ``version``, ``fds``), with the fds attached to the first byte as ``SCM_RIGHTS`` ancillary
+   data: ``fds`` names them in order, the FUSE fd first (``fuse``); with the node cache
+   (:mod:`objfs.csi.node_cache`) also ``cache-dir`` (the identity's cache folder, a directory
+   fd) and ``backing`` (the sidecar's end of the passthrough broker, a SOCK_SEQPACKET socket);
 3. the sidecar answers one line: ``ok`` once it serves the fd, or ``error MESSAGE`` only if
    nothing ever read the fd (the options were refused, or its server failed before it got as
    far as the FUSE session): the node plugin then keeps its copy and offers that same fd to
@@ -23,8 +26,8 @@ a Unix socket in the pod's ``objfs-fd`` emptyDir; the sidecar (``objfs sidecar -
 Invariants: a payload is at most :data:`MAX_PAYLOAD_BYTES`; no credential ever travels in it
 (the node plugin refuses credential-like keys before it gets here); every fd received is owned
 by exactly one :class:`Offer` and closed by :meth:`Offer.close` unless :meth:`Offer.detach_fd`
-took it. Nothing here blocks without a timeout: sends give up after :data:`SEND_TIMEOUT_S`,
-receives after their caller's timeout.
+took it (all of them: the FUSE fd and the extra ones). Nothing here blocks without a timeout:
+sends give up after :data:`SEND_TIMEOUT_S`, receives after their caller's timeout.
 """
 
 from __future__ import annotations
@@ -38,7 +41,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 #: Bumped when the payload changes incompatibly; a sidecar refuses versions it does not know.
-PROTOCOL_VERSION = 1
+#: 2: several fds, named by the payload's ``fds``.
+PROTOCOL_VERSION = 2
+#: The fds an offer may carry, by name, the FUSE fd first.
+FD_NAMES = ("fuse", "cache-dir", "backing")
 #: The options of one mount fit in a few KiB; anything larger is a bug or an attack.
 MAX_PAYLOAD_BYTES = 64 * 1024
 _LEN = struct.Struct(">I")
@@ -65,21 +71,28 @@ def _recv_exact(conn: socket.socket, size: int) -> bytes:
 
 
 def send_offer(
-    conn: socket.socket, fd: int, payload: dict[str, Any], timeout_s: float = SEND_TIMEOUT_S
+    conn: socket.socket,
+    fds: dict[str, int],
+    payload: dict[str, Any],
+    timeout_s: float = SEND_TIMEOUT_S,
 ) -> None:
-    """Sends ``payload`` (JSON-able) with a duplicate of ``fd`` attached; ``fd`` stays open.
+    """Sends ``payload`` (JSON-able) with duplicates of ``fds`` attached (by name, see
+    :data:`FD_NAMES`; ``fuse`` is required); the fds stay open here.
 
     Raises :class:`FdPassError` if the payload is too large or the send takes over
     ``timeout_s``; ``conn``'s own timeout is restored afterwards.
     """
-    body = json.dumps({"version": PROTOCOL_VERSION, **payload}).encode()
+    names = [name for name in FD_NAMES if name in fds]
+    assert names[:1] == ["fuse"], sorted(fds)
+    assert len(names) == len(fds), sorted(fds)
+    body = json.dumps({"version": PROTOCOL_VERSION, **payload, "fds": names}).encode()
     if len(body) > MAX_PAYLOAD_BYTES:
         raise FdPassError(f"offer payload too large ({len(body)} bytes)")
     message = _LEN.pack(len(body)) + body
     previous = conn.gettimeout()
     conn.settimeout(timeout_s)
     try:
-        sent = socket.send_fds(conn, [message], [fd])
+        sent = socket.send_fds(conn, [message], [fds[name] for name in names])
         if sent < len(message):
             conn.sendall(message[sent:])
     except TimeoutError as exc:
@@ -118,11 +131,13 @@ def read_reply(conn: socket.socket, timeout_s: float) -> str | None:
 
 @dataclass
 class Offer:
-    """One fd taken from a node plugin's socket, with what came with it."""
+    """One FUSE fd taken from a node plugin's socket, with what came with it: the payload and
+    the extra fds by name (``cache-dir``, ``backing``)."""
 
     fd: int
     payload: dict[str, Any]
     conn: socket.socket
+    extra: dict[str, int] = field(default_factory=dict)
     _answered: bool = field(default=False, repr=False)
 
     @property
@@ -161,16 +176,25 @@ class Offer:
                 self.conn.settimeout(None)
 
     def detach_fd(self) -> int:
-        """Hands the fd to the caller (who must close it); :meth:`close` then leaves it alone."""
+        """Hands the FUSE fd to the caller (who must close it); :meth:`close` then leaves it
+        alone."""
         fd, self.fd = self.fd, -1
         return fd
 
+    def detach_extra(self) -> dict[str, int]:
+        """Hands the extra fds to the caller (who must close them)."""
+        extra, self.extra = self.extra, {}
+        return extra
+
     def close(self) -> None:
-        """Closes the fd (unless detached) and the connection: the node plugin sees end of file."""
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = -1
+        """Closes the fds (unless detached) and the connection: the node plugin sees end of
+        file."""
+        for fd in [self.fd, *self.extra.values()]:
+            if fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        self.fd = -1
+        self.extra = {}
         with contextlib.suppress(OSError):
             self.conn.close()
 
@@ -203,7 +227,7 @@ def take(path: str, timeout_s: float = 10.0) -> Offer:
         conn.settimeout(timeout_s)
         _connect(conn, path)
         try:
-            head, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, 4)
+            head, fds, _flags, _addr = socket.recv_fds(conn, _LEN.size, len(FD_NAMES) + 1)
         except TimeoutError as exc:
             raise FdPassError(f"no offer on {path} within {timeout_s:g} s") from exc
         try:
@@ -214,8 +238,8 @@ def take(path: str, timeout_s: float = 10.0) -> Offer:
             (size,) = _LEN.unpack(head)
             if size > MAX_PAYLOAD_BYTES:
                 raise FdPassError(f"{path}: offer payload too large ({size} bytes)")
-            if len(fds) != 1:
-                raise FdPassError(f"{path}: expected one fd with the offer, got {len(fds)}")
+            if not fds:
+                raise FdPassError(f"{path}: the offer came without an fd")
             try:
                 payload = json.loads(_recv_exact(conn, size))
             except ValueError as exc:
@@ -227,12 +251,23 @@ def take(path: str, timeout_s: float = 10.0) -> Offer:
                     f"{path}: offer protocol version {payload.get('version')!r}, this objfs "
                     f"speaks {PROTOCOL_VERSION}: run the same objfs version on both sides"
                 )
+            names = payload.get("fds")
+            if (
+                not isinstance(names, list)
+                or len(names) != len(fds)
+                or not names
+                or names[0] != "fuse"
+                or len(set(names)) != len(names)
+                or not set(names) <= set(FD_NAMES)
+            ):
+                raise FdPassError(f"{path}: the offer's fds ({len(fds)}) do not match its names")
         except BaseException:
             for fd in fds:
                 os.close(fd)
             raise
         conn.settimeout(None)
-        return Offer(fd=fds[0], payload=payload, conn=conn)
+        extra = dict(zip(names[1:], fds[1:], strict=True))
+        return Offer(fd=fds[0], payload=payload, conn=conn, extra=extra)
     except BaseException:
         conn.close()
         raise

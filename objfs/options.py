@@ -388,6 +388,22 @@ def build_parser() -> argparse.ArgumentParser:
         "(default: %(default)s)",
     )
     csi.add_argument(
+        "--node-cache-dir",
+        default=os.environ.get("OBJFS_NODE_CACHE_DIR"),
+        metavar="DIR",
+        help="keep a disk cache on the node that outlives pods: one folder per identity "
+        "(namespace, service account, sidecar uid) under DIR, handed to the sidecars with "
+        "their mounts, with passthrough registered by this plugin (default: "
+        "$OBJFS_NODE_CACHE_DIR; none: each pod's sidecar keeps its cache-dir)",
+    )
+    csi.add_argument(
+        "--node-cache-size",
+        default=os.environ.get("OBJFS_NODE_CACHE_SIZE"),
+        metavar="SIZE",
+        help="the cap of the whole node cache, across identities (least recently used "
+        "versions go first); default 100G ($OBJFS_NODE_CACHE_SIZE)",
+    )
+    csi.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),

@@ -15,7 +15,10 @@ Invariants:
   (:data:`_READY_TIMEOUT_S`);
 * an fd is owned by exactly one of: the :class:`~objfs.fdpass.Offer` (until the child is
   spawned), the child (this process closes its copy right after spawning, so the mount's
-  connection ends when the child does);
+  connection ends when the child does). The same holds for the extra fds of an offer with the
+  node cache: the identity's cache folder (the child's ``--cache-dir /dev/fd/N``) and the
+  passthrough broker's socket (``$OBJFS_BACKING_BROKER_FD``), so the broker's connection, too,
+  ends with the child;
 * the offer's connection is open iff its child starts or serves: it is answered ``ok`` once
   the child serves (its status file appeared), and closed when the child exits, so the node
   plugin sees end of file and, on the next connection, offers a fresh mount of the same target
@@ -65,6 +68,7 @@ from typing import Any
 
 from objfs import fdpass
 from objfs.errors import UsageError
+from objfs.kernel.passthrough import BROKER_ENV
 from objfs.logsetup import setup_logging
 from objfs.mountpoint import FD_USED_ENV
 from objfs.options import build_parser
@@ -364,9 +368,15 @@ class FdSidecar:
             "source": offer.source,
             "volume_id": str(offer.payload.get("volume_id", "")),
             "target_path": str(offer.payload.get("target_path", "")),
+            "node_cache": offer.payload.get("node_cache") if "cache-dir" in offer.extra else None,
         }
         try:
             argv = mount_arguments(offer.source, {**self.log_defaults, **offer.options})
+            cache_fd = offer.extra.get("cache-dir", -1)
+            if cache_fd >= 0:
+                # The node cache: the identity's folder, open (this container has no path
+                # to it); it replaces any cache-dir of the volume's.
+                argv += ["--cache-dir", f"/dev/fd/{cache_fd}"]
         except UsageError as exc:
             offer.fail(str(exc))
             offer.close()
@@ -382,6 +392,10 @@ class FdSidecar:
         env["OBJFS_RUNTIME_DIR"] = run_dir
         env[_FD_USED_ENV] = os.path.join(run_dir, FD_USED_FILE)
         fd = offer.detach_fd()
+        extra = offer.detach_extra()
+        env.pop(BROKER_ENV, None)
+        if "backing" in extra:
+            env[BROKER_ENV] = str(extra["backing"])
         cmd = [
             sys.executable or "python3",
             "-c",
@@ -398,7 +412,7 @@ class FdSidecar:
                 # This very interpreter, even where its path is not searchable by this uid
                 # (exec of the magic link skips the path); argv[0] keeps the virtualenv.
                 executable="/proc/self/exe" if os.path.exists("/proc/self/exe") else None,
-                pass_fds=(fd,),
+                pass_fds=(fd, *extra.values()),
                 stdin=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
                 env=env,
@@ -412,7 +426,8 @@ class FdSidecar:
             self._failed(volume, message, now)
             return
         finally:
-            os.close(fd)  # the child's now: the mount ends with it
+            for own in (fd, *extra.values()):
+                os.close(own)  # the child's now: the mount ends with it
         assert proc.stderr is not None
         os.set_blocking(proc.stderr.fileno(), False)
         child = _Child(

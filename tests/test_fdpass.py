@@ -30,7 +30,7 @@ def _serve_once(
 
     def run() -> None:
         conn, _ = listener.accept()
-        fdpass.send_offer(conn, fd, payload)
+        fdpass.send_offer(conn, {"fuse": fd}, payload)
         try:
             replies.append(fdpass.read_reply(conn, 5))
         except fdpass.FdPassError as exc:
@@ -166,7 +166,7 @@ def test_sends_to_a_peer_that_never_reads_time_out(monkeypatch: pytest.MonkeyPat
         _fill(a)
         a.settimeout(7.0)
         with pytest.raises(fdpass.FdPassError, match=r"within 0\.3 s"):
-            fdpass.send_offer(a, w, {"source": "s3://b"}, timeout_s=0.3)
+            fdpass.send_offer(a, {"fuse": w}, {"source": "s3://b"}, timeout_s=0.3)
         assert a.gettimeout() == 7.0  # the caller's timeout is back
 
         # The sidecar's answer gives up too, quietly: the offer is closed next anyway.

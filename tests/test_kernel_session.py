@@ -221,12 +221,12 @@ def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
     registered: list[int] = []
     closed: list[int] = []
 
-    def register(dev_fd: int, backing_fd: int) -> int:
+    def register(self: object, dev_fd: int, backing_fd: int) -> int:
         assert _is_open(backing_fd)
         registered.append(backing_fd)
         return 40 + len(registered)
 
-    monkeypatch.setattr(passthrough, "_register", register)
+    monkeypatch.setattr(passthrough.Registrar, "open", register)
 
     def ioctl(fd: int, request: int, arg: bytearray) -> int:
         assert request == p.DEV_IOC_BACKING_CLOSE
@@ -258,10 +258,10 @@ def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
 
     # A registration refused for want of memory serves that open cached, and the next
     # file is tried again.
-    def short_of_memory(dev_fd: int, backing_fd: int) -> int:
+    def short_of_memory(self: object, dev_fd: int, backing_fd: int) -> int:
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(passthrough, "_register", short_of_memory)
+    monkeypatch.setattr(passthrough.Registrar, "open", short_of_memory)
     assert inodes.opened(9, 7, d) is None
     assert inodes.cached(7)
     assert inodes.refused is None
@@ -278,11 +278,11 @@ def test_a_refusal_for_every_file_turns_passthrough_off_with_one_warning(
 
     tries: list[int] = []
 
-    def too_deep(dev_fd: int, backing_fd: int) -> int:
+    def too_deep(self: object, dev_fd: int, backing_fd: int) -> int:
         tries.append(backing_fd)
         raise OSError(errno.ELOOP, "Too many levels of symbolic links")
 
-    monkeypatch.setattr(passthrough, "_register", too_deep)
+    monkeypatch.setattr(passthrough.Registrar, "open", too_deep)
     inodes = passthrough.OpenInodes()
     fds = [fd for _ in range(2) for fd in os.pipe()]
     with caplog.at_level("INFO", logger="objfs.kernel.session"):

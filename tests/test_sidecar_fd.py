@@ -127,7 +127,7 @@ class FakeNodePlugin:
         if self.fd is None:  # the last sidecar went away: replace its dead mount
             lazy_umount(self.target)
             self.fd = fuse_mount(self.target)
-        fdpass.send_offer(conn, self.fd, self.payload)
+        fdpass.send_offer(conn, {"fuse": self.fd}, self.payload)
         try:
             reply = fdpass.read_reply(conn, WAIT_S)
         except fdpass.FdPassError as exc:

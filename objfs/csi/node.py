@@ -63,8 +63,10 @@ from typing import Any
 import grpc
 
 from objfs import __version__
+from objfs.config import parse_size
 from objfs.csi import DRIVER_NAME, proto
 from objfs.csi.fusemount import FSTYPE, MountInfo, detach, detach_all, mounted, real_target
+from objfs.csi.node_cache import NodeCache
 from objfs.csi.offers import FD_VOLUME, Offers, socket_name
 from objfs.csi.publication import CsiError, Publication
 from objfs.csi.state import StateFiles, recover_publications
@@ -74,6 +76,8 @@ from objfs.logsetup import setup_logging
 
 log = logging.getLogger("objfs.csi")
 
+#: The node cache's cap when --node-cache-dir comes without --node-cache-size.
+DEFAULT_NODE_CACHE_SIZE = "100G"
 #: How often the main thread wakes up to run a signal handler the kernel's delivery to
 #: another thread left pending (see run_csi).
 _SIGNAL_POLL_S = 0.5
@@ -82,7 +86,7 @@ _SIGNAL_POLL_S = 0.5
 class Node:
     """The node plugin's state: published targets by real path, and what serves them."""
 
-    def __init__(self, node_id: str, kubelet_dir: str) -> None:
+    def __init__(self, node_id: str, kubelet_dir: str, node_cache: NodeCache | None = None) -> None:
         self.node_id = node_id
         self.kubelet_dir = os.path.realpath(kubelet_dir)
         self.state_files = StateFiles(
@@ -90,7 +94,7 @@ class Node:
         )
         self._publications: dict[str, Publication] = {}
         self._lock = threading.Lock()
-        self.offers = Offers()
+        self.offers = Offers(node_cache)
 
     # -- Identity ----------------------------------------------------------------------------
 
@@ -392,19 +396,45 @@ def _prepare_socket_path(path: str) -> None:
     os.unlink(path)  # a stale socket of an earlier run
 
 
-def run_csi(*, endpoint: str | None, node_id: str | None, kubelet_dir: str, log_level: str) -> int:
+def run_csi(
+    *,
+    endpoint: str | None,
+    node_id: str | None,
+    kubelet_dir: str,
+    log_level: str,
+    node_cache_dir: str | None = None,
+    node_cache_size: str | None = None,
+) -> int:
     """``objfs csi``: serves until SIGTERM/SIGINT, then exits 0 leaving mounts in place."""
     path = parse_endpoint(endpoint)
     if not node_id:
         raise UsageError("--node-id is missing: give this node's name or set KUBE_NODE_NAME")
     if not os.path.isdir(kubelet_dir):
         raise UsageError(f"--kubelet-dir {kubelet_dir} is not a directory")
+    node_cache = None
+    if node_cache_dir:
+        if not os.path.isabs(node_cache_dir):
+            raise UsageError(f"--node-cache-dir {node_cache_dir}: give an absolute path")
+        size = parse_size(node_cache_size or DEFAULT_NODE_CACHE_SIZE, option="--node-cache-size")
+        if size <= 0:
+            raise UsageError("--node-cache-size: give a size above 0")
+        node_cache = NodeCache(node_cache_dir, size)
+        node_cache.prepare()
+    elif node_cache_size:
+        raise UsageError("--node-cache-size needs --node-cache-dir")
     setup_logging(log_level, None, daemon=False)
     if os.geteuid() != 0:
         log.warning("objfs csi runs as uid %d: mounting needs root (CAP_SYS_ADMIN)", os.geteuid())
 
-    node = Node(node_id, kubelet_dir)
+    node = Node(node_id, kubelet_dir, node_cache)
     node.recover()
+    if node_cache is not None:
+        node_cache.start()
+        log.info(
+            "node cache: %s, at most %.1f GiB across identities",
+            node_cache.root,
+            node_cache.size_bytes / (1 << 30),
+        )
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
@@ -452,6 +482,8 @@ def run_csi(*, endpoint: str | None, node_id: str | None, kubelet_dir: str, log_
         server.stop(grace=5).wait()
     finally:
         node.shutdown()
+        if node_cache is not None:
+            node_cache.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         with contextlib.suppress(OSError):

@@ -45,12 +45,14 @@ import socket
 import stat
 import threading
 import time
+from typing import Any
 
 import grpc
 
 from objfs import fdpass
 from objfs.config import MountConfig
 from objfs.csi.fusemount import close_quietly, mount_fd, mounted, open_fuse_device, stacked
+from objfs.csi.node_cache import Broker, NodeCache, NodeCacheError, peer_identity
 from objfs.csi.publication import (
     MAX_REPLACEMENTS,
     OFFER_REPLY_TIMEOUT_S,
@@ -86,11 +88,12 @@ def socket_name(volume_id: str, target: str) -> str:
 
 class Offers:
     """Mounts, offer sockets and offer threads for the node's publications, with its limits
-    (read from the environment once, here)."""
+    (read from the environment once, here) and the node cache, if any."""
 
-    def __init__(self) -> None:
+    def __init__(self, node_cache: NodeCache | None = None) -> None:
         self.wait_limit_s = _seconds_from_env(WAIT_LIMIT_ENV, SIDECAR_WAIT_LIMIT_S)
         self.replace_interval_s = _seconds_from_env(REPLACE_INTERVAL_ENV, REPLACE_INTERVAL_S)
+        self.node_cache = node_cache
 
     def mount_new(self, pub: Publication, *, make_target: bool) -> None:
         """A fresh FUSE connection mounted on the target: ``pub`` becomes WAITING with its fd."""
@@ -242,8 +245,62 @@ class Offers:
                     return
                 self._replace_mount(pub)
             fd = pub.fd
+            # With the node cache: the identity's folder and a broker holding a copy of this
+            # connection's fd (made under the lock: an unpublish closes pub.fd).
+            node = self._node_cache_for(pub, conn, fd)
+        broker = node[1] if node is not None else None
         try:
-            fdpass.send_offer(conn, fd, pub.payload())
+            self._offer_fd(pub, conn, fd, node)
+        finally:
+            if broker is not None:
+                broker.close()  # the sidecar's connection ended: its copy goes at once
+
+    def _node_cache_for(
+        self, pub: Publication, conn: socket.socket, fd: int
+    ) -> tuple[int, Broker] | None:
+        """The identity's folder (an open fd) and a broker for the sidecar on ``conn``, or
+        None (no node cache, ``node-cache: "false"``, or the folder cannot be had: the
+        volume's own ``cache-dir`` then, with a warning)."""
+        if self.node_cache is None or not pub.spec.node_cache:
+            return None
+        try:
+            identity = peer_identity(conn, pub.spec.namespace, pub.spec.service_account)
+            folder, dir_fd = self.node_cache.folder(identity)
+        except (NodeCacheError, OSError) as exc:
+            log.warning("no node cache for the sidecar of %s: %s", pub.target, exc)
+            return None
+        copy = -1
+        try:
+            copy = os.dup(fd)
+            broker = Broker(copy, folder, identity, pub.volume_id)
+        except OSError as exc:
+            close_quietly(copy)
+            close_quietly(dir_fd)
+            log.warning("no node cache for the sidecar of %s: %s", pub.target, exc.strerror)
+            return None
+        return dir_fd, broker
+
+    def _offer_fd(
+        self,
+        pub: Publication,
+        conn: socket.socket,
+        fd: int,
+        node: tuple[int, Broker] | None,
+    ) -> None:
+        fds = {"fuse": fd}
+        payload = pub.payload()
+        if node is not None:
+            dir_fd, broker = node
+            fds.update({"cache-dir": dir_fd, "backing": broker.theirs})
+            assert self.node_cache is not None
+            payload = self.node_cache_payload(payload, broker)
+        try:
+            try:
+                fdpass.send_offer(conn, fds, payload)
+            finally:
+                if node is not None:
+                    close_quietly(node[0])  # the sidecar has its own copies now, or none
+                    node[1].start()
         except (fdpass.FdPassError, OSError) as exc:
             # Not sent (the sidecar went away before the offer, EPIPE): the fd rides on the
             # first segment, so nobody received it and nobody read from it; keep it for the
@@ -281,8 +338,18 @@ class Offers:
             log.warning("sidecar refused %s: %s; waiting for another", pub.target, answer)
             return
         with pub.lock:
-            pub.become(State.SERVED)  # closes our copy: the sidecar holds the only fd now
-        log.info("the sidecar serves %s", pub.target)
+            # Closes the publication's copy: the sidecar holds the only fd now, but for the
+            # broker's (node cache), which goes as soon as the sidecar's connection ends.
+            pub.become(State.SERVED)
+        if node is not None:
+            log.info(
+                "the sidecar serves %s, with the node cache of %s and passthrough through "
+                "the plugin",
+                pub.target,
+                node[1].identity,
+            )
+        else:
+            log.info("the sidecar serves %s", pub.target)
         try:
             self._watch(pub, conn)
         except Exception as exc:  # e.g. tune_kernel's OSError: never left SERVED unwatched
@@ -302,6 +369,14 @@ class Offers:
                 "the sidecar of %s is gone: readers get ENOTCONN until a sidecar connects again",
                 pub.target,
             )
+
+    def node_cache_payload(self, payload: dict[str, Any], broker: Broker) -> dict[str, Any]:
+        """The offer's payload for a sidecar that gets the node cache: no ``cache-dir`` of its
+        own, the node's cap as its ``cache-size`` (the sweep holds the cap across folders)."""
+        assert self.node_cache is not None
+        options = {k: v for k, v in dict(payload.get("options", {})).items() if k != "cache-dir"}
+        options["cache-size"] = str(self.node_cache.size_bytes)
+        return {**payload, "options": options, "node_cache": str(broker.identity)}
 
     def _may_replace(self, pub: Publication) -> bool:
         """Whether a replacement may go ahead now (it then spends a token); called under

@@ -2,7 +2,9 @@
 
 One JSON file per published target under ``KUBELET_DIR/plugins/csi.objfs.dev/state/``, named
 by 16 hex of sha256(target), mode 0600, replaced whole: the volume id, target, pod uid,
-source, options, the pod's objfs-fd directory and the offer socket's name. No credential:
+source, options, the volume attributes that give the volume again (``context``: with the
+pod's namespace, service account and ``node-cache``), the pod's objfs-fd directory and the
+offer socket's name. No credential:
 the volume attributes carry none.
 
 After a restart, :func:`recover` finds the published targets from the state files and the
@@ -38,6 +40,7 @@ def record(pub: Publication) -> dict[str, Any]:
         "pod_uid": pub.spec.pod_uid,
         "source": pub.spec.source,
         "options": dict(pub.spec.options),
+        "context": pub.spec.context(),
         "fd_dir": pub.fd_dir,
         "socket": pub.sock_name,
     }
@@ -83,8 +86,10 @@ def recover_publications(
             with open(path, encoding="utf-8") as f:
                 saved = json.load(f)
             target = str(saved["target_path"])
-            context = {**saved["options"], "source": saved["source"]}
-            context[POD_UID_KEY] = saved["pod_uid"]
+            context = dict(saved.get("context") or {})
+            if not context:  # written by an objfs before the node cache
+                context = {**saved["options"], "source": saved["source"]}
+                context[POD_UID_KEY] = saved["pod_uid"]
             spec = parse_volume_context(context, target)
         except (OSError, ValueError, KeyError, TypeError, VolumeContextError) as exc:
             log.warning("ignoring state file %s: %s", path, exc)

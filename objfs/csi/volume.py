@@ -8,7 +8,10 @@ PersistentVolume) are:
   ``metadata-ttl``, ``cache-size``, ...), the value as a string; a flag takes ``"true"`` or
   ``"false"``. The set is read from the ``mount`` command's parser, so it follows the command;
   options that mean nothing here (:data:`NOT_HERE`) are refused with the reason;
-* the kubelet's pod-info keys (``csi.storage.k8s.io/pod.uid``, ...; :data:`POD_INFO_KEYS`).
+* the kubelet's pod-info keys (``csi.storage.k8s.io/pod.uid``, ...; :data:`POD_INFO_KEYS`);
+  the pod's namespace and service account name its node cache folder;
+* ``node-cache``: ``"false"`` keeps the volume's disk cache in the pod (its ``cache-dir``)
+  where the node plugin has a node cache (:mod:`objfs.csi.node_cache`); default ``"true"``.
 
 Invariants: credentials never travel in volume attributes. A key that looks like one
 (:data:`_CREDENTIAL_LIKE`), other than the two file-path options ``credentials-file`` and
@@ -50,6 +53,10 @@ from objfs.options import (
 #: The kubelet adds these when the CSIDriver sets ``podInfoOnMount`` (and, for the token,
 #: ``tokenRequests``); ``ephemeral`` marks inline volumes.
 POD_UID_KEY = "csi.storage.k8s.io/pod.uid"
+NAMESPACE_KEY = "csi.storage.k8s.io/pod.namespace"
+SERVICE_ACCOUNT_KEY = "csi.storage.k8s.io/serviceAccount.name"
+#: The volume attribute that keeps a volume off the node cache (``"false"``).
+NODE_CACHE_KEY = "node-cache"
 POD_INFO_KEYS = frozenset(
     {
         "csi.storage.k8s.io/pod.name",
@@ -103,10 +110,30 @@ class VolumeSpec:
     fsname: str
     #: What ``objfs mount`` would run with (its mountpoint: the target), for kernel tuning.
     config: MountConfig = field(compare=False, repr=False)
+    #: The pod's namespace and service account (empty if the kubelet did not send them).
+    namespace: str = ""
+    service_account: str = ""
+    #: Whether the volume may use the node cache (``node-cache``, default true).
+    node_cache: bool = True
 
     def identity(self) -> dict[str, Any]:
         """What must match for a repeated publish to be the same one (no pod-info noise)."""
-        return {"source": self.source, "options": dict(sorted(self.options.items()))}
+        return {
+            "source": self.source,
+            "options": dict(sorted(self.options.items())),
+            "node_cache": self.node_cache,
+        }
+
+    def context(self) -> dict[str, str]:
+        """Volume attributes that give this volume again (for the state files)."""
+        return {
+            **self.options,
+            "source": self.source,
+            POD_UID_KEY: self.pod_uid,
+            NAMESPACE_KEY: self.namespace,
+            SERVICE_ACCOUNT_KEY: self.service_account,
+            NODE_CACHE_KEY: "true" if self.node_cache else "false",
+        }
 
 
 #: This module's own copy of ``objfs mount``'s parser: :func:`_check_mount_argv` patches it.
@@ -158,7 +185,7 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
     options: dict[str, str] = {}
     for key in sorted(context):
         value = context[key]
-        if key == "source" or key in POD_INFO_KEYS:
+        if key in ("source", NODE_CACHE_KEY) or key in POD_INFO_KEYS:
             continue
         if key in NOT_HERE:
             raise VolumeContextError(
@@ -208,6 +235,13 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
     if not _POD_UID.fullmatch(pod_uid):
         raise VolumeContextError(f"{POD_UID_KEY} is not a pod UID")
 
+    try:
+        node_cache = parse_boolean(
+            context.get(NODE_CACHE_KEY, "true"), f"volume attribute {NODE_CACHE_KEY!r} is a flag"
+        )
+    except UsageError as exc:
+        raise VolumeContextError(str(exc)) from None
+
     redact = functools.partial(_redact, options=options)
     # --key=value: a value that starts with a dash stays a value.
     argv = [source, target_path, *mount_arguments(options)]
@@ -221,6 +255,9 @@ def parse_volume_context(context: dict[str, str], target_path: str) -> VolumeSpe
         pod_uid=pod_uid,
         fsname=config.source.url(),
         config=config,
+        namespace=context.get(NAMESPACE_KEY, ""),
+        service_account=context.get(SERVICE_ACCOUNT_KEY, ""),
+        node_cache=node_cache,
     )
 
 

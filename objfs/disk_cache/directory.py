@@ -7,7 +7,10 @@ Contract:
   one, and returns the format's subdirectory (``DIR/v4``) under the directory it checked.
   Cached blocks are bucket data, as private as the bucket: a directory another user owns, or
   that group or others may write to, is a UsageError; one only readable by others is tightened
-  to 0700. Older formats' subdirectories are removed. Files are created 0600.
+  to 0700. Older formats' subdirectories are removed. Files are created 0600. A directory
+  handed over open (``/dev/fd/N``: the node cache folder ``objfs csi`` gives a sidecar, which
+  has no path to it) is checked the same way through its descriptor and used through
+  ``/proc/self/fd/N``, never resolved to a path.
 * ``walk`` finds the versions' files (allocated bytes, latest mtime per digest), removing the
   temporary files of crashed writers; a name that is not a version's is neither counted nor
   removed.
@@ -24,6 +27,7 @@ import contextlib
 import errno
 import logging
 import os
+import re
 import shutil
 import stat
 import threading
@@ -37,6 +41,8 @@ log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 # Temporary files older than this were left by a crashed writer and are removed on scan.
 _STALE_TMP_S = 600.0
 ST_BLOCK = 512  # the unit of st_blocks (POSIX): allocated bytes of a sparse file
+# A directory handed over open: the node cache folder of ``objfs sidecar`` (see prepare).
+_FD_PATH = re.compile(r"/(?:dev/fd|proc/self/fd)/(\d+)/?")
 
 
 def prepare(directory: str) -> str:
@@ -66,8 +72,8 @@ def prepare(directory: str) -> str:
     return root
 
 
-def _check_private(path: str, option_value: str) -> None:
-    real = os.path.realpath(path)
+def _check_private(path: str, option_value: str, *, resolve: bool = True) -> None:
+    real = os.path.realpath(path) if resolve else path
     shown = f"--cache-dir {path}" if path == option_value else f"--cache-dir {option_value}: {path}"
     if real != path:
         shown += f" (which resolves to {real})"

@@ -1,7 +1,7 @@
 """FUSE passthrough for objfs's own transport: whether it is on, and each open inode's mode.
 
 Contract: :func:`passthrough_refusal` says why the kernel will not read cached versions itself
-(None: it will: a disk cache, a kernel that offers it, CAP_SYS_ADMIN), and
+(None: it will: a disk cache, a kernel that offers it, and CAP_SYS_ADMIN or a broker), and
 :func:`backing_stack_depth` how deep the cache directory's file system stacks (overlayfs, a
 container's root, is 1), which INIT raises ``max_stack_depth`` over, so that the kernel takes
 backing files there. :class:`OpenInodes` is the one owner of the open inodes' read modes. The
@@ -13,6 +13,13 @@ open from the descriptor the disk tier verified (never a path opened again); and
 registration the kernel refuses for a reason that holds for every file (anything but a
 shortage of memory) turns passthrough off for the mount, with one warning
 (:attr:`OpenInodes.refused`). Nothing else changes the table.
+
+Backing ids are registered and closed by a :class:`Registrar`: the ioctls on the session's own
+``/dev/fuse`` fd (CAP_SYS_ADMIN), or, for an ``objfs sidecar`` child without that capability,
+:class:`BrokerRegistrar`: the node plugin's broker (:mod:`objfs.csi.node_cache`), which checks
+the file and makes the ioctl on its copy of the same connection's fd. A broker that is gone (a
+node plugin restart) or does not answer within :data:`BROKER_TIMEOUT_S` is a refusal for good:
+new opens are served by objfs, opens by passthrough keep their backing files.
 """
 
 from __future__ import annotations
@@ -22,7 +29,10 @@ import errno
 import fcntl
 import logging
 import os
+import socket
+import stat
 import struct
+import threading
 from dataclasses import dataclass
 
 from objfs.kernel import protocol as p
@@ -32,15 +42,96 @@ from objfs.kernel.requests import Init
 log = logging.getLogger("objfs.kernel.session")
 
 
-def passthrough_refusal(init: Init, *, has_disk_cache: bool) -> str | None:
-    """Why the kernel will not serve cached versions itself (None: it will)."""
+#: Set by ``objfs sidecar`` for its ``objfs mount`` child: the descriptor number of its end of
+#: the node plugin's passthrough broker (a SOCK_SEQPACKET socket).
+BROKER_ENV = "OBJFS_BACKING_BROKER_FD"
+#: How long a broker request may take (the node plugin answers in microseconds).
+BROKER_TIMEOUT_S = 5.0
+#: The broker's messages: a request is one byte (``O`` with one fd attached: register it;
+#: ``C`` then a little-endian int32: close that id), an answer an errno and a value (0 and the
+#: backing id, or the errno and 0).
+BROKER_OPEN = b"O"
+BROKER_CLOSE = b"C"
+BROKER_ID = struct.Struct("<i")
+BROKER_ANSWER = struct.Struct("<ii")
+
+
+def passthrough_refusal(init: Init, *, has_disk_cache: bool, brokered: bool = False) -> str | None:
+    """Why the kernel will not serve cached versions itself (None: it will). ``brokered``: a
+    node plugin's broker registers backing files for this process."""
     if not has_disk_cache:
         return "no --cache-dir (passthrough serves versions whole in the disk cache)"
     if not init.flags & p.PASSTHROUGH or not init.flags & p.INIT_EXT:
         return "the kernel does not offer it (Linux 6.9+ with CONFIG_FUSE_PASSTHROUGH)"
-    if not _has_cap_sys_admin():
+    if not brokered and not _has_cap_sys_admin():
         return "no CAP_SYS_ADMIN (the kernel registers backing files only for it)"
     return None
+
+
+class Registrar:
+    """Registers and closes backing ids with the ioctls on the session's fd (CAP_SYS_ADMIN)."""
+
+    def open(self, dev_fd: int, backing_fd: int) -> int:
+        """A backing id for the file open as ``backing_fd`` (FUSE_DEV_IOC_BACKING_OPEN; the
+        kernel keeps its own reference to the file); OSError when refused."""
+        map_ = bytearray(p.backing_map(backing_fd))
+        return int(fcntl.ioctl(dev_fd, p.DEV_IOC_BACKING_OPEN, map_))
+
+    def close(self, dev_fd: int, backing_id: int) -> None:
+        fcntl.ioctl(dev_fd, p.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<i", backing_id)))
+
+
+class BrokerRegistrar(Registrar):
+    """Backing ids through the node plugin's broker, on the socket ``sock_fd`` (owned here).
+    One request at a time; a broker gone or silent raises ENOTCONN (a refusal for good)."""
+
+    def __init__(self, sock_fd: int) -> None:
+        self._sock = socket.socket(fileno=sock_fd)
+        self._sock.settimeout(BROKER_TIMEOUT_S)
+        self._mutex = threading.Lock()
+
+    @classmethod
+    def from_environment(cls) -> BrokerRegistrar | None:
+        """The broker ``objfs sidecar`` handed this process (:data:`BROKER_ENV`), or None."""
+        value = os.environ.pop(BROKER_ENV, "")
+        if not value.isdigit():
+            return None
+        fd = int(value)
+        try:
+            if not stat.S_ISSOCK(os.fstat(fd).st_mode):
+                return None
+            os.set_inheritable(fd, False)
+        except OSError:
+            return None
+        return cls(fd)
+
+    def open(self, dev_fd: int, backing_fd: int) -> int:
+        return self._call(BROKER_OPEN, [backing_fd])
+
+    def close(self, dev_fd: int, backing_id: int) -> None:
+        self._call(BROKER_CLOSE + BROKER_ID.pack(backing_id), [])
+
+    def _call(self, message: bytes, fds: list[int]) -> int:
+        with self._mutex:
+            try:
+                socket.send_fds(self._sock, [message], fds)
+                answer = self._sock.recv(BROKER_ANSWER.size + 1)
+            except (OSError, TimeoutError) as exc:
+                raise OSError(
+                    errno.ENOTCONN,
+                    f"the node plugin's passthrough broker is gone or silent ({exc}); a node "
+                    "plugin restart ends it until the sidecar restarts",
+                ) from None
+            if len(answer) != BROKER_ANSWER.size:
+                raise OSError(
+                    errno.ENOTCONN,
+                    "the node plugin's passthrough broker is gone (a node plugin restart ends "
+                    "it until the sidecar restarts)",
+                )
+            code, value = BROKER_ANSWER.unpack(answer)
+            if code:
+                raise OSError(code, f"the node plugin refused: {os.strerror(code)}")
+            return int(value)
 
 
 # statfs f_type of the stacking file systems a cache directory may sit on (a container's root
@@ -94,8 +185,9 @@ class OpenInodes:
     """Open inodes: their I/O mode and, in passthrough, their backing id (see the contract).
     ``dev_fd``: the session's ``/dev/fuse`` fd, which backing ids belong to."""
 
-    def __init__(self) -> None:
+    def __init__(self, registrar: Registrar | None = None) -> None:
         self._io: dict[int, _InodeIO] = {}
+        self.registrar = registrar or Registrar()
         #: Why the kernel refused passthrough for good on this mount (None: it did not).
         self.refused: str | None = None
 
@@ -140,7 +232,7 @@ class OpenInodes:
     def _register(self, dev_fd: int, backing_fd: int) -> int | None:
         """A backing id for ``backing_fd``, or None (refused: for good, unless transient)."""
         try:
-            return _register(dev_fd, backing_fd)
+            return self.registrar.open(dev_fd, backing_fd)
         except OSError as exc:
             reason = exc.strerror or str(exc)
             if exc.errno in _TRANSIENT:
@@ -171,14 +263,6 @@ class OpenInodes:
         del self._io[inode]
         if io.backing_id is not None:
             try:
-                fcntl.ioctl(
-                    dev_fd, p.DEV_IOC_BACKING_CLOSE, bytearray(struct.pack("<i", io.backing_id))
-                )
+                self.registrar.close(dev_fd, io.backing_id)
             except OSError as exc:
                 log.warning("FUSE: closing backing id %d failed (%s)", io.backing_id, exc)
-
-
-def _register(dev_fd: int, backing_fd: int) -> int:
-    """A backing id for the file open as ``backing_fd`` (FUSE_DEV_IOC_BACKING_OPEN; the
-    kernel keeps its own reference to the file)."""
-    return int(fcntl.ioctl(dev_fd, p.DEV_IOC_BACKING_OPEN, bytearray(p.backing_map(backing_fd))))

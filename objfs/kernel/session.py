@@ -58,7 +58,12 @@ from objfs.kernel import protocol as p
 from objfs.kernel import replies as rp
 from objfs.kernel import requests as rq
 from objfs.kernel.negotiation import MAX_WRITE, Negotiated, log_negotiated, negotiate
-from objfs.kernel.passthrough import OpenInodes, backing_stack_depth, passthrough_refusal
+from objfs.kernel.passthrough import (
+    BrokerRegistrar,
+    OpenInodes,
+    backing_stack_depth,
+    passthrough_refusal,
+)
 from objfs.kernel.read_turns import ReadTurns
 from objfs.kernel.writers import Holds, ReplyWriters, give_back, write_reply
 from objfs.nursery import open_nursery
@@ -127,7 +132,9 @@ class KernelSession:
         self._writers = ReplyWriters()
         self._inflight: dict[int, trio.CancelScope] = {}
         self._done = trio.Event()
-        self._inodes = OpenInodes()
+        # An `objfs sidecar` child registers backing files through the node plugin's broker.
+        self._broker = BrokerRegistrar.from_environment()
+        self._inodes = OpenInodes(self._broker)
         self.passthrough = False  # negotiated (see _answer_init)
         self.passthrough_opens = 0
         self._turns = ReadTurns()  # READs enter the core in arrival order
@@ -248,7 +255,9 @@ class KernelSession:
             return True
 
     def _answer_init(self, unique: int, init: rq.Init) -> None:
-        why_not = passthrough_refusal(init, has_disk_cache=self.fs.disk is not None)
+        why_not = passthrough_refusal(
+            init, has_disk_cache=self.fs.disk is not None, brokered=self._broker is not None
+        )
         if why_not is not None:
             log.info("FUSE passthrough off: %s", why_not)
         self.passthrough = why_not is None
