@@ -103,6 +103,8 @@ class Plugin:
     proc: subprocess.Popen[bytes] | None = None
     client: proto.Client | None = None
     sidecars: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    #: More arguments of ``objfs csi`` (e.g. the node cache).
+    extra_args: list[str] = field(default_factory=list)
 
     def start(self) -> None:
         with open(self.log, "ab") as out:
@@ -120,6 +122,7 @@ class Plugin:
                     str(self.kubelet),
                     "--log-level",
                     "debug",
+                    *self.extra_args,
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=out,
@@ -954,7 +957,9 @@ def test_a_refused_or_abandoned_offer_is_offered_again(plugin: Plugin) -> None:
             "options": {"region": "eu-west-1", "no-sign-request": "true"},
             "volume_id": "vol-a",
             "target_path": str(target),
+            "fds": ["fuse"],  # no node cache: the FUSE fd alone
         }
+        assert offer.extra == {}
         offer.fail("refused by the test")
     finally:
         offer.close()

@@ -52,8 +52,17 @@ def prepare(directory: str) -> str:
     a UsageError: someone else could read the blocks, or plant blocks objfs would serve. A
     directory only readable by others is tightened to 0700. A symlink is followed: the
     directory it resolves to is the one checked (and named in the error), as it is the one
-    used.
+    used. ``/dev/fd/N`` (or ``/proc/self/fd/N``) is the directory open as descriptor N.
     """
+    handed = _FD_PATH.fullmatch(directory)
+    if handed is not None:
+        directory = f"/proc/self/fd/{handed[1]}"  # the magic link: no path is resolved
+        _check_private(directory, directory, resolve=False)
+        root = os.path.join(directory, FORMAT)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(root, 0o700)
+        _check_private(root, directory, resolve=False)
+        return root
     if not os.path.lexists(directory):
         # Not makedirs(root) alone: it would create ``directory`` with the umask's mode.
         os.makedirs(directory, mode=0o700, exist_ok=True)
