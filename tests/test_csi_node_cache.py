@@ -67,7 +67,7 @@ def hashes() -> dict[str, str]:
 
 
 @pytest.fixture
-def node(plugin: Plugin) -> Iterator[Plugin]:
+def node(plugin: Plugin) -> Plugin:
     """The plugin restarted with a node cache of 1 GiB under its folder."""
     assert plugin.stop() == 0
     plugin.extra_args = [
@@ -77,7 +77,7 @@ def node(plugin: Plugin) -> Iterator[Plugin]:
         "1G",
     ]
     plugin.start()
-    yield plugin
+    return plugin
 
 
 @pytest.fixture
