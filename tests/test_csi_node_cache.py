@@ -144,7 +144,12 @@ def wait_status(pod: Pod, check: Any, timeout_s: float = 30.0) -> dict[str, Any]
 
 def written_behind(status: dict[str, Any]) -> bool:
     disk = status.get("disk") or {}
-    return bool(disk) and disk.get("write_queue_bytes", 1) == 0 and disk.get("writes", 0) > 0
+    return (
+        bool(disk)
+        and disk.get("write_queue_bytes", 1) == 0
+        and disk.get("writes", 0) > 0
+        and disk.get("blocks_backfilled", 0) >= disk.get("blocks_not_cached", 0)
+    )
 
 
 def wait_listed(target: Path, timeout_s: float = 60.0) -> None:
