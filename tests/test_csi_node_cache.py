@@ -21,6 +21,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from objfs import fdpass
 from objfs.csi.node_cache import LAYOUT, NodeCache
@@ -249,6 +252,61 @@ def test_the_cap_holds_across_identities_least_recently_used_first(tmp_path: Pat
     assert cache.sweep() == 0  # under the cap now
 
 
+@settings(max_examples=40, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 2), st.integers(1, 24)),  # (folder, size in pages)
+        min_size=1,
+        max_size=12,
+    ),
+    st.integers(4, 160),  # the cap, in pages
+)
+def test_the_sweep_removes_exactly_the_oldest_versions_across_folders(
+    versions: list[tuple[int, int]], cap_pages: int
+) -> None:
+    """Any versions in any folders: over the cap, the sweep removes the least recently used
+    ones, whatever folder holds them, and no more than it must to reach 90% of the cap; each
+    folder's ledger then counts what its folder allocates. Under the cap it removes nothing."""
+    page = 4096
+    with tempfile.TemporaryDirectory() as tmp:
+        cache = NodeCache(os.path.join(tmp, "nc"), cap_pages * page)
+        cache.prepare()
+        roots = [Path(tmp) / "nc" / LAYOUT / "ns" / f"sa{i}" / str(os.geteuid()) for i in range(3)]
+        now = time.time()
+        made: list[tuple[float, int, str, int]] = []  # mtime, folder, digest, allocated
+        for n, (where, pages) in enumerate(versions):
+            digest = f"{n:02x}" + "0" * 62
+            mtime = now - 1000 + n * 7 % 997  # distinct ages, not in creation order
+            _version(roots[where], digest, pages * page, mtime, os.geteuid())
+            sub = roots[where] / FORMAT / digest[:2]
+            allocated = _allocated(sub / digest) + _allocated(sub / f"{digest}.idx")
+            made.append((mtime, where, digest, allocated))
+        locks = {}
+        for i in {where for where, _ in versions}:
+            counted = sum(a for _, w, _, a in made if w == i)
+            locks[i] = _ledger(roots[i], counted, os.geteuid())
+        total = sum(a for *_, a in made)
+        removed = cache.sweep()
+        cap = cap_pages * page
+        if total <= cap:
+            assert removed == 0
+            return
+        goal = cap - int(cap * 0.1)
+        ordered = sorted(made)
+        # The fewest oldest versions whose removal reaches the goal.
+        expected, left = 0, total
+        while left > goal:
+            left -= ordered[expected][3]
+            expected += 1
+        assert removed == expected
+        for k, (_mtime, where, digest, _a) in enumerate(ordered):
+            present = (roots[where] / FORMAT / digest[:2] / digest).exists()
+            assert present == (k >= expected), (k, expected)
+        for i, lock in locks.items():
+            kept = sum(a for _, w, d, a in ordered[expected:] if w == i)
+            assert int.from_bytes(lock.read_bytes()[:8], "little") == kept
+
+
 def test_the_sweep_follows_no_link_a_folder_owner_plants(tmp_path: Path) -> None:
     """A folder's owner controls what is in it: a ledger that is a link to a host file is
     not written, a subdirectory that is a link is not entered, nothing outside is removed."""
@@ -289,8 +347,8 @@ def test_a_pod_of_the_same_identity_loads_from_the_node_cache_by_passthrough(
     cold = data_gets(proxy)
     assert cold > 0
     # The identity's folder: 0700, the sidecar's uid; the levels above are root's.
-    st = folder(node, "sa1").stat()
-    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (NOBODY, 0o700)
+    info = folder(node, "sa1").stat()
+    assert (info.st_uid, stat.S_IMODE(info.st_mode)) == (NOBODY, 0o700)
     assert stat.S_IMODE(folder(node, "sa1").parent.stat().st_mode) == 0o700
     assert folder(node, "sa1").parent.stat().st_uid == 0
     stop_sidecar(sidecar_a)
