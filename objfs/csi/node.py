@@ -23,6 +23,13 @@ What NodePublishVolume does (idempotent under kubelet retries):
    overrides it); then they fail with ENOTCONN. A publication's states:
    :mod:`objfs.csi.publication`.
 
+With ``--node-cache-dir DIR`` (:mod:`objfs.csi.node_cache`) the plugin also keeps a disk-cache
+folder per identity (the pod's namespace and service account, the sidecar's uid) under DIR,
+hands the sidecar an open descriptor of it with the FUSE fd (its ``--cache-dir /dev/fd/N``,
+replacing the volume's ``cache-dir``; ``node-cache: "false"`` keeps that), registers
+passthrough backing files for the sidecar after checking them (a broker per offer), and holds
+``--node-cache-size`` across the folders by evicting least recently used versions.
+
 NodeUnpublishVolume stops the target's thread, removes its socket and state file, detaches
 every objfs mount stacked on the target (``MNT_DETACH``, topmost first, until mountinfo shows
 none there, at most :data:`objfs.csi.fusemount.MAX_STACKED`: never waits for a sidecar) and
