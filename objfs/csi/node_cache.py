@@ -3,7 +3,7 @@ unprivileged sidecars (``objfs csi --node-cache-dir DIR --node-cache-size SIZE``
 
 **Folders.** An identity is a pod's namespace and service account (the kubelet's pod info) and
 the uid its sidecar runs as (``SO_PEERCRED`` on the offer connection). Its folder is
-``DIR/v1/NAMESPACE/SERVICE_ACCOUNT/UID``: the levels above it are the plugin's (root, 0700),
+``DIR/identities/NAMESPACE/SERVICE_ACCOUNT/UID``: the levels above it are the plugin's (root, 0700),
 the folder itself is 0700 and owned by that uid. The sidecar gets an open descriptor of the
 folder with the FUSE fd and uses it as its ``--cache-dir`` (``/dev/fd/N``); it has no path to
 it, nor to any other folder. Pods of one identity on a node share a folder (and fetch each
@@ -58,8 +58,9 @@ from objfs.kernel.passthrough import BROKER_ANSWER, BROKER_CLOSE, BROKER_ID, BRO
 
 log = logging.getLogger("objfs.csi")
 
-#: The layout of the node cache directory (bumped if the folder scheme changes).
-LAYOUT = "v1"
+#: The node cache directory's one subfolder (not a name objfs mount takes for an old cache
+#: format: a --cache-dir pointed there by mistake removes nothing of it).
+LAYOUT = "identities"
 #: How often the plugin checks the cap across identities.
 SWEEP_INTERVAL_S = 1.0
 #: Eviction goes this fraction under the cap (as a mount's own does).
@@ -114,8 +115,8 @@ class NodeCache:
         self._thread: threading.Thread | None = None
 
     def prepare(self) -> None:
-        """Creates ``root/v1`` (0700) or checks them: the plugin's own, writable by no one else;
-        a UsageError if not."""
+        """Creates ``root/identities`` (0700) or checks them: the plugin's own, writable by no
+        one else; a UsageError if not."""
         try:
             os.makedirs(self.root, mode=0o700, exist_ok=True)
             for path in (self.root, os.path.join(self.root, LAYOUT)):
