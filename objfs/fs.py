@@ -323,6 +323,34 @@ class FileSystem:
         self.fetcher.writes.touch()
         return await self.reads.read(self._handle(fh), offset, size, holds)
 
+    def read_nowait(
+        self, fh: int, offset: int, size: int, *, holds: list[Callable[[], None]]
+    ) -> bytes | memoryview | list[memoryview] | None:
+        """:meth:`read` answered from memory with no await (a view per block, pinned until the
+        holds run), or None when a block it touches is not in memory: nothing was done then,
+        and the caller awaits :meth:`read` (see ``ReadPath.read_nowait``)."""
+        self.reads.release_reply_buffers()
+        self.fetcher.writes.touch()
+        return self.reads.read_nowait(self._handle(fh), offset, size, holds)
+
+    def read_locked(
+        self, fh: int, offset: int, size: int
+    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None] | None:
+        """A read answered from memory by a thread other than trio's that holds the core's
+        lock, or None (``ReadPath.read_locked``): the reply, to write under that lock, and
+        a read-ahead window for :meth:`read_ahead` on the trio thread."""
+        return self.reads.read_locked(self._handle(fh), offset, size)
+
+    def read_ahead(self, fh: int, window: tuple[int, int]) -> None:
+        """(trio thread) Queue the read-ahead a :meth:`read_locked` asked for, if the handle
+        is still open; and the mount is not idle (the backfill waits)."""
+        self.fetcher.writes.touch()
+        handle = self._handles.get(fh)
+        if handle is not None:
+            self.fetcher.prefetch(
+                handle, window, cancellable=True, stream=handle.readahead.last_stream
+            )
+
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""
         await self.fetcher.writes.flush_disk_writes()

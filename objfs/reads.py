@@ -155,6 +155,92 @@ class ReadPath:
             self._release_share(nbytes, holds)
         return out
 
+    def read_nowait(
+        self, handle: Handle, offset: int, size: int, holds: list[Callable[[], None]]
+    ) -> bytes | memoryview | list[memoryview] | None:
+        """The read answered from the memory tier now, with no await, or None: not every
+        block it touches is in memory with its bytes, and nothing was done (the caller then
+        awaits :meth:`read`). The reply's blocks are pinned and the read counted as
+        :meth:`read` would (served marks, hits, the read-ahead told, read-ahead queued): the
+        blocks are taken first and pinned, then the read-ahead is told, so that what it
+        queues cannot evict them. Same holds contract as :meth:`read`."""
+        end = min(offset + size, handle.size)
+        if offset >= end:
+            return b""
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        keys = [self.fetcher.key(handle, i) for i in range(first, last + 1)]
+        data: memoryview | list[memoryview] | None
+        if first == last:
+            block = self.cache.peek(keys[0])
+            if block is None or block.buffer is None or end - first * bs > len(block.view):
+                return None
+            view = self._cached(handle, first, to_end=self._reaches_end(handle, first, end))
+            if view is None:
+                return None
+            self._hold_blocks(keys, holds)
+            data = view[offset - first * bs : end - first * bs]
+        else:
+            data = self._from_memory(handle, keys, first, offset, end, holds)
+            if data is None:
+                return None
+        # As read() does first: a window to read ahead; a random read of cached blocks reads
+        # through the cache, as here.
+        window = handle.readahead.on_read(offset, end - offset, handle.fh)
+        if window is not None:
+            self.fetcher.prefetch(
+                handle, window, cancellable=True, stream=handle.readahead.last_stream
+            )
+        return data
+
+    def read_locked(
+        self, handle: Handle, offset: int, size: int
+    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None] | None:
+        """The read answered from the memory tier by a thread other than trio's, which holds
+        the core's lock (so no block can be evicted or recycled before its reply is written,
+        under that same lock: nothing is pinned) and must touch no trio object: only blocks
+        whose read wakes nobody (``BlockCache.quiet_view``). Returns the reply (one view,
+        or a view per block) and the read-ahead window to queue on the trio thread (or
+        None); None, with nothing changed, when a block is not so."""
+        end = min(offset + size, handle.size)
+        if offset >= end:
+            return b"", None
+        bs = self.block_size
+        first, last = offset // bs, (end - 1) // bs
+        cache = self.cache
+        data: memoryview | list[memoryview]
+        if first == last:  # the usual case, kept short: it runs for every such READ
+            key = self.fetcher.key(handle, first)
+            base = first * bs
+            to_end = end >= base + bs or end == handle.size
+            view = cache.quiet_view(key, to_end=to_end)
+            if view is None or end - base > len(view):
+                return None
+            cache.read_quietly(key)
+            if to_end:
+                handle.served[first] = 1
+            data = view[offset - base : end - base]
+        else:
+            views: list[memoryview] = []
+            keys = []
+            for index in range(first, last + 1):
+                key = self.fetcher.key(handle, index)
+                view = cache.quiet_view(key, to_end=self._reaches_end(handle, index, end))
+                base = index * bs
+                hi = min(end, base + bs)
+                if view is None or hi - base > len(view):
+                    return None  # nothing changed yet
+                views.append(view[max(offset, base) - base : hi - base])
+                keys.append(key)
+            for index, key in zip(range(first, last + 1), keys, strict=True):
+                cache.read_quietly(key)
+                if self._reaches_end(handle, index, end):
+                    handle.served[index] = 1
+            self.reads_scattered += 1
+            data = views
+        window = handle.readahead.on_read(offset, end - offset, handle.fh)
+        return data, window
+
     def _from_memory(
         self,
         handle: Handle,

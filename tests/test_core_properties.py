@@ -16,7 +16,9 @@ sleeping. The whole program runs in one ``trio.run`` under ``MockClock(autojump_
 After every step:
 
 * every read that completed returned exactly the bytes of the version its handle was opened
-  on (never another version's), or raised an ``ObjfsError`` with a cause: the handle was
+  on (never another version's), whether it went through ``fs.read`` or, every other read, as
+  objfs's own transport does it (``read_nowait`` from memory with no await, else ``fs.read``,
+  with holds given back after a checkpoint), or raised an ``ObjfsError`` with a cause: the handle was
   closed, the object replaced, or an injected store failure happened during the read;
 * ``0 <= fs.cache.used_bytes <= capacity_bytes``, ``inflight_bytes >= 0``, the reply
   buffers within their share, and the peak of both together within ``--memory-limit`` (plus,
@@ -41,6 +43,7 @@ from typing import TypeVar
 from unittest import mock
 
 import trio
+import trio.lowlevel
 import trio.testing
 from hypothesis import HealthCheck, Phase, given, note, settings
 from hypothesis import strategies as st
@@ -273,6 +276,8 @@ class Model:
     # than the reply share passes alone (the kernel never asks more than 1 MiB at once, two
     # blocks; this core test does, up to 8 MiB).
     largest_read: int = 0
+    reads: int = 0  # every other read goes as objfs's own transport does it (see read)
+    answered_now: int = 0  # reads answered from memory with no await (read_nowait)
 
     def config(self) -> MountConfig:
         return MountConfig(
@@ -316,8 +321,12 @@ class Model:
             # ReplyGate lets one request larger than its share through alone).
             self.largest_read = max(self.largest_read, spanned)
         faults = self.faults_fired
+        self.reads += 1
         try:
-            got = bytes(await self.fs.read(h.fh, offset, size))
+            if self.reads % 2:
+                got = bytes(await self.fs.read(h.fh, offset, size))
+            else:
+                got = await self.read_as_the_kernel_transport(h, offset, size)
         except ObjfsError as exc:
             replaced = self.versions[h.file] != h.version
             if not (h.closed or replaced or self.faults_fired > faults):
@@ -343,6 +352,25 @@ class Model:
             )
             return False
         return True
+
+    async def read_as_the_kernel_transport(self, h: OpenHandle, offset: int, size: int) -> bytes:
+        """A READ as KernelSession answers it: from memory on arrival when every block is
+        there (``read_nowait``), else awaited; with holds, given back only after the reply
+        was "written" (here: after a checkpoint, so other tasks run while the views are
+        out, as while a writer thread copies them)."""
+        holds: list[Callable[[], None]] = []
+        try:
+            data = self.fs.read_nowait(h.fh, offset, size, holds=holds)
+            if data is not None:
+                self.answered_now += 1
+            else:
+                data = await self.fs.read(h.fh, offset, size, holds=holds)
+            await trio.lowlevel.checkpoint()
+            got = b"".join(data) if isinstance(data, list) else bytes(data)
+        finally:
+            for release in holds:
+                release()
+        return got
 
     async def read_sequentially(self, h: OpenHandle, start: int, length: int, chunk: int) -> None:
         length = min(length, MAX_READS_PER_STEP * chunk)

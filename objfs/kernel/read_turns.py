@@ -28,6 +28,11 @@ class ReadTurns:
         seq, self._next = self._next, self._next + 1
         return seq
 
+    def idle(self) -> bool:
+        """Whether every READ numbered so far has entered the core (or given up): a READ
+        answered now, without a number, enters in its arrival order."""
+        return self._turn == self._next
+
     async def take(self, seq: int) -> None:
         """Wait until every READ that arrived before READ ``seq`` has entered the core."""
         while self._turn != seq:
