@@ -18,8 +18,9 @@ After every step:
 * every read that completed returned exactly the bytes of the version its handle was opened
   on (never another version's), whether it went through ``fs.read`` or, every other read, as
   objfs's own transport does it (``read_nowait`` from memory with no await, else ``fs.read``,
-  with holds given back after a checkpoint), or raised an ``ObjfsError`` with a cause: the handle was
-  closed, the object replaced, or an injected store failure happened during the read;
+  with holds given back after a checkpoint), or raised an ``ObjfsError`` with a cause: the
+  handle was closed, the object replaced, or an injected store failure happened during the
+  read;
 * ``0 <= fs.cache.used_bytes <= capacity_bytes``, ``inflight_bytes >= 0``, the reply
   buffers within their share, and the peak of both together within ``--memory-limit`` (plus,
   only for a read larger than the reply share, which the kernel never sends, its excess).

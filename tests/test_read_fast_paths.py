@@ -52,7 +52,8 @@ async def test_reads_from_memory_decline_without_a_trace_and_answer_exactly(
     holds: list[Any] = []
     assert fs.read_nowait(fh, 0, 4096, holds=holds) is None  # nothing fetched yet
     assert fs.read_locked(fh, 0, 4096) is None
-    assert holds == [] and fs.cache.hits == hits
+    assert holds == []
+    assert fs.cache.hits == hits
     assert fs._handle(fh).readahead.streams == []  # the read-ahead was never told
     assert await read_all(fs, fh, len(data)) == data  # every block read to its end: used
     await settle()
