@@ -473,26 +473,17 @@ class BlockCache:
         return block.view
 
     def quiet_view(self, key: BlockKey, *, to_end: bool) -> memoryview | None:
-        """A cached block's bytes when reading them wakes nobody: a block already used, or a
-        fresh one the read does not reach the end of (it stays fresh); else None. Changes
-        nothing: :meth:`read_quietly` counts the read. Touches no trio object, so a thread
-        other than trio's may call both while it holds the core's lock (see
-        ``objfs.kernel.session``)."""
+        """A block's bytes if reading them wakes nobody (used, or fresh and not read to its
+        end); no change, no trio object: see ``objfs.kernel.memory_reads``."""
         block = self._used.get(key)
-        if block is None:
-            if to_end:
-                return None
-            block = self._fresh.get(key)
-        if block is None or block.buffer is None:
-            return None
-        return block.view
+        block = self._fresh.get(key) if block is None and not to_end else block
+        return None if block is None or block.buffer is None else block.view
 
     def read_quietly(self, key: BlockKey) -> None:
-        """Count a read of a block :meth:`quiet_view` gave: a hit, and a used block becomes
-        the most recently used."""
-        if key in self._used:
-            self._used.move_to_end(key)
+        """Count a read of a block :meth:`quiet_view` gave (a hit; a used one moves up)."""
         self.hits += 1
+        with contextlib.suppress(KeyError):
+            self._used.move_to_end(key)
 
     def contains(self, key: BlockKey) -> bool:
         return key in self._used or key in self._fresh or key in self._orphans

@@ -27,7 +27,7 @@ import trio.lowlevel
 
 from objfs.backends.memory import MemoryBackend
 from objfs.fs import FileSystem
-from objfs.kernel.session import CoreLock
+from objfs.kernel.memory_reads import CoreLock
 from tests.conftest import fresh_status, put_many
 from tests.test_read_path import config, open_file, read_all, settle
 

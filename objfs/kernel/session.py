@@ -45,7 +45,6 @@ import os
 import select
 import struct
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import trio
@@ -58,6 +57,7 @@ from objfs.kernel import mounting
 from objfs.kernel import protocol as p
 from objfs.kernel import replies as rp
 from objfs.kernel import requests as rq
+from objfs.kernel.memory_reads import MemoryReads
 from objfs.kernel.negotiation import MAX_WRITE, Negotiated, log_negotiated, negotiate
 from objfs.kernel.passthrough import (
     BrokerRegistrar,
@@ -94,16 +94,6 @@ _MUTATIONS = frozenset(
         p.Opcode.COPY_FILE_RANGE,
     }
 )
-# A READ's fh, offset and size: the first fields of fuse_read_in, after the header.
-_READ_ARGS = struct.Struct("<QQI")
-_READ_ARGS_END = p.IN_HEADER_SIZE + 40  # the whole fuse_read_in
-#: READ replies up to this size answered from memory are written by the trio thread itself
-#: (KernelSession._read_now): a hand-off to a writer thread and back costs more than the copy.
-INLINE_REPLY_BYTES = 256 * 1024
-# How often the reader thread, waiting for the core's lock, looks whether it should stop.
-_LOCK_POLL_S = 0.05
-# How often READs answered in the reader thread tell the core the mount is not idle.
-_TOUCH_S = 0.1
 # Requests that get no reply.
 _NO_REPLY = frozenset({p.Opcode.FORGET, p.Opcode.BATCH_FORGET, p.Opcode.INTERRUPT})
 # Requests answered as they arrive, without a task (see KernelSession._arrived).
@@ -118,24 +108,6 @@ _AT_ONCE = frozenset(
 )
 
 
-class CoreLock(trio.abc.Instrument):
-    """The core's lock: the trio thread holds it during every task step (every line of
-    objfs that runs there runs in one), so another thread that holds it runs while no objfs
-    code runs on the trio thread, as if it were a step itself. The reader thread answers
-    READs from memory under it (:meth:`KernelSession._answer_in_reader`). Installed while
-    :meth:`KernelSession.serve` runs, from inside a step: hence the lock is taken when it
-    is installed (that step's end releases it) and let go when it is removed."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-
-    def before_task_step(self, task: trio.lowlevel.Task) -> None:
-        self.lock.acquire()
-
-    def after_task_step(self, task: trio.lowlevel.Task) -> None:
-        self.lock.release()
-
-
 class KernelSession:
     """One FUSE connection served by objfs itself. ``mount()``, then ``await serve()`` until
     unmounted or :meth:`stop`; ``close()`` at the end. Same attributes as the pyfuse3
@@ -146,8 +118,8 @@ class KernelSession:
         self.config = config
         self.timeout_s = fs.config.kernel_timeout_s()
         self.initialized = trio.Event()
-        self.bytes_served = 0
-        self.reads = 0
+        self._bytes_served = 0
+        self._reads = 0
         self.negotiated = Negotiated()
         self._passed_fd = passed_fd
         self._fd = -1
@@ -166,15 +138,25 @@ class KernelSession:
         self._inodes = OpenInodes(self._broker)
         self.passthrough = False  # negotiated (see _answer_init)
         self.passthrough_opens = 0
-        self.reads_now = 0  # READs answered on arrival from memory (see _read_now)
-        self.reads_in_reader = 0  # READs answered by the reader thread (_answer_in_reader)
-        self._core = CoreLock()
-        # READs handed to the trio thread, and those that arrived there (_arrived): the
-        # reader thread answers a READ itself only when none is on its way.
-        self._reads_handed = 0
-        self._reads_arrived = 0
-        self._touched_at = 0.0  # when the reader thread last told the core it reads
         self._turns = ReadTurns()  # READs enter the core in arrival order
+        # READs answered from memory with no task (the reader thread's, on arrival).
+        self.memory = MemoryReads(fs, self._writers, self._turns, self._stopping)
+
+    @property
+    def bytes_served(self) -> int:
+        return self._bytes_served + self.memory.bytes_served
+
+    @property
+    def reads(self) -> int:
+        return self._reads + self.memory.reads_in_reader + self.memory.reads_on_arrival
+
+    @property
+    def reads_in_reader(self) -> int:
+        return self.memory.reads_in_reader
+
+    @property
+    def reads_now(self) -> int:
+        return self.memory.reads_on_arrival
 
     @property
     def passthrough_refused(self) -> str | None:
@@ -200,8 +182,9 @@ class KernelSession:
         if not await trio.to_thread.run_sync(self._init, abandon_on_cancel=True):
             return
         self.initialized.set()
-        trio.lowlevel.add_instrument(self._core)
-        self._core.lock.acquire()  # this very step's end releases it
+        core = self.memory.core
+        trio.lowlevel.add_instrument(core)
+        core.lock.acquire()  # this very step's end releases it
         try:
             async with open_nursery() as nursery:
 
@@ -220,8 +203,8 @@ class KernelSession:
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
         finally:
-            trio.lowlevel.remove_instrument(self._core)
-            self._core.lock.release()  # this step's start took it; its end no longer will
+            trio.lowlevel.remove_instrument(core)
+            core.lock.release()  # this step's start took it; its end no longer will
 
     def _arrived(self, nursery: trio.Nursery, fd: int, data: bytes) -> None:
         """(trio thread) Where every request read goes, in arrival order: callbacks of
@@ -237,100 +220,14 @@ class KernelSession:
             self._answer_at_once(fd, data)
             return
         if opcode == p.Opcode.READ:
-            self._reads_arrived += 1
-            if self._turns.idle() and self._read_now(fd, data):
+            self.memory.arrived += 1
+            if self._turns.idle() and self.memory.on_arrival(fd, data):
                 return
         seq = self._turns.number() if opcode == p.Opcode.READ else None
         scope = None
         if len(data) >= p.IN_HEADER_SIZE and opcode not in _NO_REPLY:
             scope = self._inflight[struct.unpack_from("<Q", data, 8)[0]] = trio.CancelScope()
         nursery.start_soon(self._handle, fd, data, seq, scope)
-
-    def _answer_in_reader(self, fd: int, data: bytes, token: trio.lowlevel.TrioToken) -> bool:
-        """(Reader thread) A READ whose blocks are all in memory and can be read without
-        waking anyone, answered right here, under the core's lock (:class:`CoreLock`): no
-        hop to the trio thread, no task, nothing pinned (the lock keeps the blocks until the
-        reply is written, under it too). The read-ahead it asks for is queued on the trio
-        thread afterwards. False, with nothing done, when a READ handed to the trio thread
-        has not arrived there or waits for its turn (READs enter the core in arrival
-        order), when the lock is not had at once within a poll of ``stop``, or when the
-        READ needs more than memory: the trio thread then takes it as before."""
-        if len(data) < _READ_ARGS_END:
-            return False
-        lock = self._core.lock
-        while not lock.acquire(timeout=_LOCK_POLL_S):
-            if self._stopping.is_set():
-                return False
-        try:
-            if self._reads_arrived != self._reads_handed or not self._turns.idle():
-                return False
-            unique = struct.unpack_from("<Q", data, 8)[0]
-            fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
-            try:
-                answer = self.fs.read_locked(fh, offset, size)
-            except Exception:
-                return False  # the trio thread answers it (its errno)
-            if answer is None:
-                return False
-            got, window = answer
-            parts = got if isinstance(got, list) else [got]
-            nbytes = sum(len(part) for part in parts)
-            write_reply(fd, [rp.out_header(unique, nbytes), *parts])
-            # No view of a block outlives the lock: the trio thread may recycle it next.
-            del got, parts, answer
-            self.bytes_served += nbytes
-            self.reads += 1
-            self.reads_in_reader += 1
-        finally:
-            lock.release()
-        now = time.monotonic()
-        if window is not None or now - self._touched_at > _TOUCH_S:
-            # The read-ahead, and a sign of life for the backfill, on the trio thread.
-            self._touched_at = now
-            with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(self._read_ahead, fh, window)
-        return True
-
-    def _read_ahead(self, fh: int, window: tuple[int, int] | None) -> None:
-        """(trio thread) What a READ answered in the reader thread leaves to do."""
-        if window is None:
-            self.fs.fetcher.writes.touch()
-        else:
-            self.fs.read_ahead(fh, window)
-
-    def _read_now(self, fd: int, data: bytes) -> bool:
-        """(trio thread, on arrival) A READ whose blocks are all in memory, answered here: no
-        task, no cancel scope (nothing in it waits), and a reply of at most
-        :data:`INLINE_REPLY_BYTES` written here too, its holds given back once written (a
-        larger one goes to the writer threads, as from a task). False, with nothing done,
-        when the READ needs more (a block to fetch or read from disk, an error to answer):
-        it then becomes a task like any other request. Called only when no READ waits for its
-        turn (ReadTurns.idle), so READs still enter the core in arrival order."""
-        if len(data) < _READ_ARGS_END:
-            return False
-        unique = struct.unpack_from("<Q", data, 8)[0]
-        fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
-        holds: Holds = []
-        try:
-            got = self.fs.read_nowait(fh, offset, size, holds=holds)
-        except Exception:
-            give_back(holds)
-            return False  # the task's own read answers it (its errno)
-        if got is None:
-            return False
-        parts = got if isinstance(got, list) else [got]
-        nbytes = sum(len(part) for part in parts)
-        self.bytes_served += nbytes
-        self.reads += 1
-        self.reads_now += 1
-        reply = [rp.out_header(unique, nbytes), *parts]
-        if nbytes <= INLINE_REPLY_BYTES:
-            write_reply(fd, reply)
-            del reply, parts, got
-            give_back(holds)
-        else:
-            self._writers.submit(fd, reply, holds)
-        return True
 
     def _poller(self, fd: int) -> select.poll:
         poller = select.poll()
@@ -435,11 +332,11 @@ class KernelSession:
                 if data is None:
                     break
                 is_read = len(data) >= 8 and struct.unpack_from("<I", data, 4)[0] == p.Opcode.READ
-                if is_read and self._answer_in_reader(fd, data, token):
+                if is_read and self.memory.in_reader(fd, data, token):
                     continue
                 try:
                     if is_read:
-                        self._reads_handed += 1
+                        self.memory.handed += 1
                     token.run_sync_soon(spawn, fd, data)
                 except trio.RunFinishedError:
                     break
@@ -529,8 +426,8 @@ class KernelSession:
             raise
         parts = data if isinstance(data, list) else [data]
         nbytes = sum(len(part) for part in parts)
-        self.bytes_served += nbytes
-        self.reads += 1
+        self._bytes_served += nbytes
+        self._reads += 1
         self._writers.submit(fd, [rp.out_header(unique, nbytes), *parts], holds)
 
     def _answer_at_once(self, fd: int, data: bytes) -> None:

@@ -1,0 +1,164 @@
+"""READs answered from memory without a task: in the reader thread, or on arrival.
+
+A READ whose bytes are all in objfs's memory tier needs no await, so the kernel transport
+answers it without the trio task, cancel scope and read turn every other request gets (those
+cost far more than the read itself: 280 us of daemon CPU per 4 KiB READ before, against 60 for
+pyfuse3, measured by ``tests/benchmarks/read_cost.py``):
+
+* **in the reader thread** (:meth:`MemoryReads.in_reader`), right after it read the request:
+  under the core's lock (:class:`CoreLock`, held by the trio thread during every task step, so
+  no objfs code runs there meanwhile), only where reading the blocks wakes nobody
+  (``ReadPath.read_locked``: no trio object is touched off the trio thread), the reply written
+  under the same lock, so nothing is pinned; the read-ahead it asks for is queued on the trio
+  thread afterwards;
+* **on arrival in the trio thread** (:meth:`MemoryReads.on_arrival`) otherwise, through
+  ``FileSystem.read_nowait`` (pinned blocks, holds given back once written): a reply of at
+  most :data:`INLINE_REPLY_BYTES` is written there, a larger one by the writer threads.
+
+Invariants: READs enter the core in arrival order: either path runs only when no READ waits
+for its turn (``ReadTurns.idle``) and, in the reader thread, when no READ it handed to the trio
+thread is still on its way (:attr:`MemoryReads.handed` against :attr:`MemoryReads.arrived`).
+A READ either path declines is untouched (no hit, no read-ahead, nothing pinned) and goes the
+usual way, which answers errors too. No view of a block outlives the lock it was taken under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import struct
+import threading
+import time
+
+import trio
+
+from objfs.fs import FileSystem
+from objfs.kernel import protocol as p
+from objfs.kernel import replies as rp
+from objfs.kernel.read_turns import ReadTurns
+from objfs.kernel.writers import Holds, ReplyWriters, give_back, write_reply
+
+# A READ's fh, offset and size: the first fields of fuse_read_in, after the header.
+_READ_ARGS = struct.Struct("<QQI")
+_READ_ARGS_END = p.IN_HEADER_SIZE + 40  # the whole fuse_read_in
+#: READ replies up to this size answered on arrival are written by the trio thread itself: a
+#: hand-off to a writer thread and back costs more than the copy.
+INLINE_REPLY_BYTES = 256 * 1024
+# How often the reader thread, waiting for the core's lock, looks whether it should stop.
+_LOCK_POLL_S = 0.05
+# How often READs answered in the reader thread tell the core the mount is not idle.
+_TOUCH_S = 0.1
+
+
+class CoreLock(trio.abc.Instrument):
+    """The core's lock: the trio thread holds it during every task step (every line of
+    objfs that runs there runs in one), so another thread that holds it runs while no objfs
+    code runs on the trio thread, as if it were a step itself. Installed while
+    ``KernelSession.serve`` runs, from inside a step: hence the lock is taken when it is
+    installed (that step's end releases it) and let go when it is removed."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def before_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.lock.acquire()
+
+    def after_task_step(self, task: trio.lowlevel.Task) -> None:
+        self.lock.release()
+
+
+class MemoryReads:
+    """The two ways a READ of memory is answered without a task (see the module's text)."""
+
+    def __init__(
+        self,
+        fs: FileSystem,
+        writers: ReplyWriters,
+        turns: ReadTurns,
+        stopping: threading.Event,
+    ) -> None:
+        self.fs = fs
+        self.core = CoreLock()
+        self._writers = writers
+        self._turns = turns
+        self._stopping = stopping
+        #: READs the reader thread handed to the trio thread, and those that arrived there:
+        #: the reader thread answers a READ itself only when none is on its way.
+        self.handed = 0
+        self.arrived = 0
+        self.reads_in_reader = 0
+        self.reads_on_arrival = 0
+        self.bytes_served = 0  # changed under the core's lock only
+        self._touched_at = 0.0  # when the reader thread last told the core it reads
+
+    def in_reader(self, fd: int, data: bytes, token: trio.lowlevel.TrioToken) -> bool:
+        """(Reader thread) Answer the READ ``data`` here if memory holds it and reading it
+        wakes nobody; False, with nothing done, otherwise (also when a READ is on its way to
+        the trio thread or waits for its turn, or when stopping)."""
+        if len(data) < _READ_ARGS_END:
+            return False
+        lock = self.core.lock
+        while not lock.acquire(timeout=_LOCK_POLL_S):
+            if self._stopping.is_set():
+                return False
+        try:
+            if self.arrived != self.handed or not self._turns.idle():
+                return False
+            unique = struct.unpack_from("<Q", data, 8)[0]
+            fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
+            try:
+                answer = self.fs.read_locked(fh, offset, size)
+            except Exception:
+                return False  # the trio thread answers it (its errno)
+            if answer is None:
+                return False
+            got, window = answer
+            parts = got if isinstance(got, list) else [got]
+            nbytes = sum(len(part) for part in parts)
+            write_reply(fd, [rp.out_header(unique, nbytes), *parts])
+            del got, parts, answer  # no view of a block outlives the lock
+            self.bytes_served += nbytes
+            self.reads_in_reader += 1
+        finally:
+            lock.release()
+        now = time.monotonic()
+        if window is not None or now - self._touched_at > _TOUCH_S:
+            # The read-ahead, and a sign of life for the backfill, on the trio thread.
+            self._touched_at = now
+            with contextlib.suppress(trio.RunFinishedError):
+                token.run_sync_soon(self._read_ahead, fh, window)
+        return True
+
+    def _read_ahead(self, fh: int, window: tuple[int, int] | None) -> None:
+        """(trio thread) What a READ answered in the reader thread leaves to do."""
+        if window is None:
+            self.fs.fetcher.writes.touch()
+        else:
+            self.fs.read_ahead(fh, window)
+
+    def on_arrival(self, fd: int, data: bytes) -> bool:
+        """(trio thread, as the READ ``data`` arrives, none waiting for its turn) Answer it
+        if memory holds it; False, with nothing done, otherwise: it becomes a task."""
+        if len(data) < _READ_ARGS_END:
+            return False
+        unique = struct.unpack_from("<Q", data, 8)[0]
+        fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
+        holds: Holds = []
+        try:
+            got = self.fs.read_nowait(fh, offset, size, holds=holds)
+        except Exception:
+            give_back(holds)
+            return False  # the task's own read answers it (its errno)
+        if got is None:
+            return False
+        parts = got if isinstance(got, list) else [got]
+        nbytes = sum(len(part) for part in parts)
+        self.bytes_served += nbytes
+        self.reads_on_arrival += 1
+        reply = [rp.out_header(unique, nbytes), *parts]
+        if nbytes <= INLINE_REPLY_BYTES:
+            write_reply(fd, reply)
+            del reply, parts, got
+            give_back(holds)
+        else:
+            self._writers.submit(fd, reply, holds)
+        return True
