@@ -5,12 +5,13 @@ answers it without the trio task, cancel scope and read turn every other request
 cost far more than the read itself: 280 us of daemon CPU per 4 KiB READ before, against 60 for
 pyfuse3, measured by ``tests/benchmarks/read_cost.py``):
 
-* **in the reader thread** (:meth:`MemoryReads.in_reader`), right after it read the request:
-  under the core's lock (:class:`CoreLock`, held by the trio thread during every task step, so
-  no objfs code runs there meanwhile), only where reading the blocks wakes nobody
-  (``ReadPath.read_locked``: no trio object is touched off the trio thread), the reply written
-  under the same lock, so nothing is pinned; the read-ahead it asks for is queued on the trio
-  thread afterwards;
+* **in the reader thread** (:meth:`MemoryReads.in_reader`), right after it read the request,
+  when the trio thread is idle: under the core's lock (:class:`CoreLock`, held by the trio
+  thread during every task step, so no objfs code runs there meanwhile; taken only if free at
+  once, so a busy trio thread keeps the READs it would have had), only where reading the
+  blocks wakes nobody (``ReadPath.read_locked``: no trio object is touched off the trio
+  thread), the reply written under the same lock, so nothing is pinned; the read-ahead it asks
+  for is queued on the trio thread afterwards;
 * **on arrival in the trio thread** (:meth:`MemoryReads.on_arrival`) otherwise, through
   ``FileSystem.read_nowait`` (pinned blocks, holds given back once written): a reply of at
   most :data:`INLINE_REPLY_BYTES` is written there, a larger one by the writer threads.
@@ -43,8 +44,6 @@ _READ_ARGS_END = p.IN_HEADER_SIZE + 40  # the whole fuse_read_in
 #: READ replies up to this size answered on arrival are written by the trio thread itself: a
 #: hand-off to a writer thread and back costs more than the copy.
 INLINE_REPLY_BYTES = 256 * 1024
-# How often the reader thread, waiting for the core's lock, looks whether it should stop.
-_LOCK_POLL_S = 0.05
 # How often READs answered in the reader thread tell the core the mount is not idle.
 _TOUCH_S = 0.1
 
@@ -91,15 +90,18 @@ class MemoryReads:
         self._touched_at = 0.0  # when the reader thread last told the core it reads
 
     def in_reader(self, fd: int, data: bytes, token: trio.lowlevel.TrioToken) -> bool:
-        """(Reader thread) Answer the READ ``data`` here if memory holds it and reading it
-        wakes nobody; False, with nothing done, otherwise (also when a READ is on its way to
-        the trio thread or waits for its turn, or when stopping)."""
+        """(Reader thread) Answer the READ ``data`` here if the trio thread is idle (the core's
+        lock is free at once), memory holds it and reading it wakes nobody; False, with
+        nothing done, otherwise (also when a READ is on its way to the trio thread or waits
+        for its turn)."""
         if len(data) < _READ_ARGS_END:
             return False
         lock = self.core.lock
-        while not lock.acquire(timeout=_LOCK_POLL_S):
-            if self._stopping.is_set():
-                return False
+        if not lock.acquire(blocking=False):
+            # The trio thread is in a step: busy (a cold load's fetches), so this READ goes
+            # its way rather than waiting for the step's end (which made four ranks loading
+            # a model cold take 1.96x one loader's time, against 1.5x before).
+            return False
         try:
             if self.arrived != self.handed or not self._turns.idle():
                 return False
