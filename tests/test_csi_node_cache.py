@@ -475,6 +475,21 @@ def test_a_sidecar_killed_mid_load_ends_the_mount_and_the_plugins_copy(
     node.unpublish("vol-m", target)
 
 
+def publish_unserved(node: Plugin, pod: Pod, sa: str, **more: str) -> Path:
+    """A volume of a bucket nobody serves, published for ``pod`` (namespace models, service
+    account ``sa``): for tests that take the offer themselves."""
+    target = pod.target("model")
+    node.publish(
+        pod,
+        "vol-m",
+        target,
+        source="s3://bucket-a/m",
+        region="us-east-1",
+        **{NAMESPACE_KEY: "models", SERVICE_ACCOUNT_KEY: sa, **more},
+    )
+    return target
+
+
 def _ask(sock: socket.socket, message: bytes, fds: list[int]) -> tuple[int, int]:
     socket.send_fds(sock, [message], fds)
     code, value = BROKER_ANSWER.unpack(sock.recv(64))
@@ -489,15 +504,7 @@ def test_the_broker_refuses_what_is_not_the_sidecars_cache_file(
     never got: each one refused with an errno and a log line, no backing id; the plugin
     carries on, and drops its copy of the FUSE fd when the sidecar goes."""
     pod = node.pod()
-    target = pod.target("model")
-    node.publish(
-        pod,
-        "vol-m",
-        target,
-        source="s3://bucket-a/m",
-        region="us-east-1",
-        **{NAMESPACE_KEY: "models", SERVICE_ACCOUNT_KEY: "sa9"},
-    )
+    target = publish_unserved(node, pod, "sa9")
     offer = fdpass.take(str(pod.short_fd_dir() / socket_name("vol-m", str(target))))
     try:
         assert sorted(offer.extra) == ["backing", "cache-dir"]
@@ -567,20 +574,7 @@ def test_node_cache_false_keeps_the_pods_own_cache(node: Plugin) -> None:
     """``node-cache: "false"``: the offer carries the FUSE fd alone and the volume's options
     as given; no folder is made."""
     pod = node.pod()
-    target = pod.target("model")
-    node.publish(
-        pod,
-        "vol-m",
-        target,
-        source="s3://bucket-a/m",
-        region="us-east-1",
-        **{
-            NAMESPACE_KEY: "models",
-            SERVICE_ACCOUNT_KEY: "sa3",
-            NODE_CACHE_KEY: "false",
-            "cache-dir": "/cache",
-        },
-    )
+    target = publish_unserved(node, pod, "sa3", **{NODE_CACHE_KEY: "false", "cache-dir": "/cache"})
     offer = fdpass.take(str(pod.short_fd_dir() / socket_name("vol-m", str(target))))
     try:
         assert offer.extra == {}
