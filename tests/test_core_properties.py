@@ -16,11 +16,12 @@ sleeping. The whole program runs in one ``trio.run`` under ``MockClock(autojump_
 After every step:
 
 * every read that completed returned exactly the bytes of the version its handle was opened
-  on (never another version's), whether it went through ``fs.read`` or, every other read, as
-  objfs's own transport does it (``read_nowait`` from memory with no await, else ``fs.read``,
-  with holds given back after a checkpoint), or raised an ``ObjfsError`` with a cause: the
-  handle was closed, the object replaced, or an injected store failure happened during the
-  read;
+  on (never another version's), whether it went through ``fs.read``, as objfs's own transport
+  answers on arrival (``read_nowait`` from memory with no await, else ``fs.read``, with holds
+  given back after a checkpoint), or as its reader thread does (``read_locked``, nothing
+  pinned, then the read-ahead it asks for), a third of the reads each, or raised an
+  ``ObjfsError`` with a cause: the handle was closed, the object replaced, or an injected
+  store failure happened during the read;
 * ``0 <= fs.cache.used_bytes <= capacity_bytes``, ``inflight_bytes >= 0``, the reply
   buffers within their share, and the peak of both together within ``--memory-limit`` (plus,
   only for a read larger than the reply share, which the kernel never sends, its excess).
@@ -324,10 +325,12 @@ class Model:
         faults = self.faults_fired
         self.reads += 1
         try:
-            if self.reads % 2:
+            if self.reads % 3 == 0:
                 got = bytes(await self.fs.read(h.fh, offset, size))
-            else:
+            elif self.reads % 3 == 1:
                 got = await self.read_as_the_kernel_transport(h, offset, size)
+            else:
+                got = await self.read_as_the_reader_thread(h, offset, size)
         except ObjfsError as exc:
             replaced = self.versions[h.file] != h.version
             if not (h.closed or replaced or self.faults_fired > faults):
@@ -371,6 +374,21 @@ class Model:
         finally:
             for release in holds:
                 release()
+        return got
+
+    async def read_as_the_reader_thread(self, h: OpenHandle, offset: int, size: int) -> bytes:
+        """A READ as the kernel transport's reader thread answers it under the core's lock
+        (``read_locked``: nothing pinned, the bytes copied before anything else runs, the
+        read-ahead queued after), else awaited as the trio thread would."""
+        answer = self.fs.read_locked(h.fh, offset, size)
+        if answer is None:
+            return bytes(await self.fs.read(h.fh, offset, size))
+        data, window = answer
+        self.answered_now += 1
+        got = b"".join(data) if isinstance(data, list) else bytes(data)
+        del data
+        if window is not None:
+            self.fs.read_ahead(h.fh, window)
         return got
 
     async def read_sequentially(self, h: OpenHandle, start: int, length: int, chunk: int) -> None:
