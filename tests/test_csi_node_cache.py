@@ -323,9 +323,18 @@ def test_the_sweep_follows_no_link_a_folder_owner_plants(tmp_path: Path) -> None
     os.symlink(outside, root / FORMAT / "ee")
     os.symlink(host_file, root / FORMAT / ".lock")
     _version(root, "f" * 64, 2 * MiB, time.time() - 50, 1000)
+    # Another folder whose v4 itself is a link to a folder with a ledger of the same uid.
+    other = tmp_path / "nc" / LAYOUT / "ns" / "sb" / "1000"
+    other.mkdir(parents=True)
+    elsewhere = tmp_path / "elsewhere"
+    (elsewhere / FORMAT).mkdir(parents=True)
+    foreign = _ledger(elsewhere, 12345, 1000)
+    os.symlink(elsewhere / FORMAT, other / FORMAT)
     cache.evict()
     assert victim.exists()
     assert host_file.read_bytes() == b"root:x:0:0\n" + bytes(16)
+    assert int.from_bytes(foreign.read_bytes()[:8], "little") == 12345  # not written
+    assert cache.usage() == 0  # nothing counted through links
     assert not (root / FORMAT / "ff" / ("f" * 64)).exists()  # its own version went
 
 

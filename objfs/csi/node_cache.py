@@ -298,13 +298,18 @@ def _subdir(parent_fd: int, name: str, owner: tuple[int, int] | None) -> int:
 
 def _open_ledger(folder: str, uid: int) -> int:
     """The folder's ``v4/.lock``, open read-write, if it is a regular file of ``uid`` with one
-    link (never a link the folder's owner planted); -1 if not there or not so."""
+    link, reached through directory descriptors with no link followed at any level (the
+    folder's owner controls ``v4`` too); -1 if not there or not so."""
+    fds: list[int] = []
     try:
-        fd = os.open(
-            os.path.join(folder, FORMAT, ".lock"), os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC
-        )
+        fds.append(os.open(folder, _DIR_FLAGS))
+        fds.append(os.open(FORMAT, _DIR_FLAGS, dir_fd=fds[-1]))
+        fd = os.open(".lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
     except OSError:
         return -1
+    finally:
+        for parent in fds:
+            os.close(parent)
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_uid != uid or st.st_nlink != 1:
         os.close(fd)
