@@ -40,7 +40,7 @@ from objfs.errors import (
 )
 from objfs.inodes import Attributes, DirHandle, Handle, Listing, Node
 from objfs.namespace import Namespace
-from objfs.readahead import Readahead
+from objfs.readahead import Readahead, Stream
 from objfs.reads import ReadPath
 from objfs.scheduler import Fetcher, ceil_div
 
@@ -335,21 +335,19 @@ class FileSystem:
 
     def read_locked(
         self, fh: int, offset: int, size: int
-    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None] | None:
+    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None, Stream | None] | None:
         """A read answered from memory by a thread other than trio's that holds the core's
         lock, or None (``ReadPath.read_locked``): the reply, to write under that lock, and
-        a read-ahead window for :meth:`read_ahead` on the trio thread."""
+        a read-ahead window and its stream for :meth:`read_ahead` on the trio thread."""
         return self.reads.read_locked(self._handle(fh), offset, size)
 
-    def read_ahead(self, fh: int, window: tuple[int, int]) -> None:
+    def read_ahead(self, fh: int, window: tuple[int, int], stream: Stream | None) -> None:
         """(trio thread) Queue the read-ahead a :meth:`read_locked` asked for, if the handle
         is still open; and the mount is not idle (the backfill waits)."""
         self.fetcher.writes.touch()
         handle = self._handles.get(fh)
         if handle is not None:
-            self.fetcher.prefetch(
-                handle, window, cancellable=True, stream=handle.readahead.last_stream
-            )
+            self.fetcher.prefetch(handle, window, cancellable=True, stream=stream)
 
     async def flush_disk_writes(self) -> None:
         """Wait until every block queued for the disk cache is written."""

@@ -28,6 +28,7 @@ from objfs.block_cache import BlockCache, BlockKey, Buffer
 from objfs.disk_cache import DiskCache
 from objfs.errors import StaleObjectError
 from objfs.inodes import Handle
+from objfs.readahead import Stream
 from objfs.scheduler import Fetcher, ceil_div
 from objfs.singleflight import SingleFlight
 
@@ -195,16 +196,16 @@ class ReadPath:
 
     def read_locked(
         self, handle: Handle, offset: int, size: int
-    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None] | None:
+    ) -> tuple[bytes | memoryview | list[memoryview], tuple[int, int] | None, Stream | None] | None:
         """The read answered from the memory tier by a thread other than trio's, which holds
         the core's lock (so no block can be evicted or recycled before its reply is written,
         under that same lock: nothing is pinned) and must touch no trio object: only blocks
         whose read wakes nobody (``BlockCache.quiet_view``). Returns the reply (one view,
-        or a view per block) and the read-ahead window to queue on the trio thread (or
-        None); None, with nothing changed, when a block is not so."""
+        or a view per block), the read-ahead window to queue on the trio thread (or None) and
+        the stream that asked for it; None, with nothing changed, when a block is not so."""
         end = min(offset + size, handle.size)
         if offset >= end:
-            return b"", None
+            return b"", None, None
         bs = self.block_size
         first, last = offset // bs, (end - 1) // bs
         cache = self.cache
@@ -239,7 +240,7 @@ class ReadPath:
             self.reads_scattered += 1
             data = views
         window = handle.readahead.on_read(offset, end - offset, handle.fh)
-        return data, window
+        return data, window, handle.readahead.last_stream
 
     def _from_memory(
         self,

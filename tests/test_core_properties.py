@@ -383,12 +383,12 @@ class Model:
         answer = self.fs.read_locked(h.fh, offset, size)
         if answer is None:
             return bytes(await self.fs.read(h.fh, offset, size))
-        data, window = answer
+        data, window, stream = answer
         self.answered_now += 1
         got = b"".join(data) if isinstance(data, list) else bytes(data)
         del data
         if window is not None:
-            self.fs.read_ahead(h.fh, window)
+            self.fs.read_ahead(h.fh, window, stream)
         return got
 
     async def read_sequentially(self, h: OpenHandle, start: int, length: int, chunk: int) -> None:

@@ -17,7 +17,6 @@ import hashlib
 import json
 import os
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -38,7 +37,6 @@ from objfs.csi.offers import socket_name
 from objfs.csi.volume import NAMESPACE_KEY, NODE_CACHE_KEY, SERVICE_ACCOUNT_KEY
 from objfs.demo import LocalServer
 from objfs.disk_cache.layout import FORMAT
-from objfs.kernel.passthrough import BROKER_ANSWER, BROKER_CLOSE, BROKER_ID, BROKER_OPEN
 from tests.helpers.proxy import Proxy
 from tests.test_csi import (
     Plugin,
@@ -499,80 +497,120 @@ def publish_unserved(node: Plugin, pod: Pod, sa: str, **more: str) -> Path:
     return target
 
 
-def _ask(sock: socket.socket, message: bytes, fds: list[int]) -> tuple[int, int]:
-    socket.send_fds(sock, [message], fds)
-    code, value = BROKER_ANSWER.unpack(sock.recv(64))
-    return code, value
+_FAKE_SIDECAR = r"""
+import errno, json, os, socket, sys
+from objfs import fdpass
+from objfs.kernel.passthrough import BROKER_ANSWER, BROKER_CLOSE, BROKER_ID, BROKER_OPEN
+
+path, elsewhere, go = sys.argv[1], sys.argv[2], int(sys.argv[3])
+offer = fdpass.take(path)
+out = {"extra": sorted(offer.extra), "node_cache": offer.payload.get("node_cache"),
+       "options": offer.options}
+broker = socket.socket(fileno=offer.extra.pop("backing"))
+folder = offer.extra["cache-dir"]
+offer.ready()
+
+def ask(message, fds):
+    socket.send_fds(broker, [message], fds)
+    return list(BROKER_ANSWER.unpack(broker.recv(64)))
+
+os.makedirs(f"/proc/self/fd/{folder}/v4/ab", exist_ok=True)
+inside = f"/proc/self/fd/{folder}/v4/ab/" + "a" * 64
+with open(inside, "wb") as f:
+    f.write(b"x" * 4096)
+os.chmod(inside, 0o600)
+with open(elsewhere, "wb") as f:
+    f.write(b"y" * 4096)
+os.chmod(elsewhere, 0o600)
+a, b = socket.socketpair()
+bad = {
+    "outside": os.open(elsewhere, os.O_RDONLY),
+    "writable": os.open(inside, os.O_RDWR),
+    "directory": os.open(f"/proc/self/fd/{folder}", os.O_RDONLY | os.O_DIRECTORY),
+    "socket": a.fileno(),
+    "another uid": os.open(f"/proc/self/fd/{folder}/v4/ab/" + "b" * 64, os.O_RDONLY),
+}
+out["answers"] = {what: ask(BROKER_OPEN, [fd]) for what, fd in bad.items()}
+out["garbage"] = ask(b"garbage", [])
+out["open without fd"] = ask(BROKER_OPEN, [])
+out["unknown id"] = ask(BROKER_CLOSE + BROKER_ID.pack(7), [])
+print(json.dumps(out), flush=True)
+os.read(go, 1)  # the test looks at the plugin meanwhile
+broker.close()
+offer.close()
+"""
 
 
 def test_the_broker_refuses_what_is_not_the_sidecars_cache_file(
     node: Plugin, tmp_path: Path
 ) -> None:
-    """A sidecar (here a fake one, root) that sends the plugin a file outside its folder, a
-    writable descriptor, a directory, a socket, a file of another uid, garbage or an id it
+    """A sidecar (here a fake one, uid 65534) that sends the plugin a file outside its folder,
+    a writable descriptor, a directory, a socket, a file of another uid, garbage or an id it
     never got: each one refused with an errno and a log line, no backing id; the plugin
-    carries on, and drops its copy of the FUSE fd when the sidecar goes."""
+    carries on, and drops its copy of the FUSE fd when the sidecar goes. A sidecar running as
+    root gets no node cache at all: a descriptor of a folder lets root climb out by ``..``."""
     pod = node.pod()
     target = publish_unserved(node, pod, "sa9")
-    offer = fdpass.take(str(pod.short_fd_dir() / socket_name("vol-m", str(target))))
+    path = str(pod.short_fd_dir() / socket_name("vol-m", str(target)))
+    as_root = fdpass.take(path)
+    assert as_root.extra == {}  # no folder, no broker for uid 0
+    as_root.fail("not serving in this test")
+    as_root.close()
+    wait_log(node, "the sidecar runs as root")
+    # A file of another uid in the folder the sidecar will get (made as the plugin makes it).
+    mine = folder(node, "sa9")
+    (mine / FORMAT / "ab").mkdir(parents=True)
+    for level in (mine.parent, mine.parent.parent, mine.parent.parent.parent):
+        level.chmod(0o700)
+    os.chown(mine, NOBODY, NOBODY)
+    for d in (mine, mine / FORMAT, mine / FORMAT / "ab"):
+        os.chown(d, NOBODY, NOBODY)
+        d.chmod(0o700)
+    (mine / FORMAT / "ab" / ("b" * 64)).write_bytes(b"z" * 4096)  # root's, 0644
+    scratch = node.base / "sidecar-scratch"  # a folder uid 65534 reaches
+    scratch.mkdir()
+    os.chown(scratch, NOBODY, NOBODY)
+    go_r, go_w = os.pipe()
+    fake = subprocess.Popen(
+        [*SETPRIV, sys.executable, "-c", _FAKE_SIDECAR, path, str(scratch / "x"), str(go_r)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        pass_fds=(go_r,),
+        text=True,
+    )
+    os.close(go_r)
     try:
-        assert sorted(offer.extra) == ["backing", "cache-dir"]
-        assert offer.payload["node_cache"] == "models/sa9 uid 0"
-        assert "cache-dir" not in offer.options
-        assert offer.options["cache-size"] == str(1 << 30)
-        mine = folder(node, "sa9", 0)
-        assert os.path.samestat(os.fstat(offer.extra["cache-dir"]), mine.stat())
-        broker = socket.socket(fileno=offer.extra.pop("backing"))
-        offer.ready()
-        wait_log(node, "the sidecar serves")
-        (mine / FORMAT / "ab").mkdir(parents=True)
-        inside = mine / FORMAT / "ab" / ("a" * 64)
-        inside.write_bytes(b"x" * 4096)
-        inside.chmod(0o600)
-        elsewhere = tmp_path / "elsewhere"
-        elsewhere.write_bytes(b"y" * 4096)
-        elsewhere.chmod(0o600)
-        others = mine / FORMAT / "ab" / ("b" * 64)
-        others.write_bytes(b"z" * 4096)
-        os.chown(others, NOBODY, NOBODY)
-        others.chmod(0o600)
-        a, b = socket.socketpair()
-        bad = {
-            "outside": os.open(elsewhere, os.O_RDONLY),
-            "writable": os.open(inside, os.O_RDWR),
-            "directory": os.open(mine, os.O_RDONLY | os.O_DIRECTORY),
-            "socket": a.fileno(),
-            "another uid": os.open(others, os.O_RDONLY),
-        }
-        try:
-            for what, fd in bad.items():
-                code, value = _ask(broker, BROKER_OPEN, [fd])
-                assert (code, value) == (errno.EACCES, 0), what
-            assert _ask(broker, b"garbage", []) == (errno.EBADMSG, 0)
-            assert _ask(broker, BROKER_OPEN, []) == (errno.EBADMSG, 0)
-            assert _ask(broker, BROKER_CLOSE + BROKER_ID.pack(7), []) == (errno.EINVAL, 0)
-        finally:
-            for what, fd in bad.items():
-                if what != "socket":
-                    os.close(fd)
-            a.close()
-            b.close()
+        assert fake.stdout is not None
+        line = fake.stdout.readline()
+        assert line, fake.stderr.read() if fake.stderr else ""
+        out = json.loads(line)
+        assert out["extra"] == ["backing", "cache-dir"]
+        assert out["node_cache"] == f"models/sa9 uid {NOBODY}"
+        assert "cache-dir" not in out["options"]
+        assert out["options"]["cache-size"] == str(1 << 30)
+        for what, answer in out["answers"].items():
+            assert answer == [errno.EACCES, 0], what
+        assert out["garbage"] == [errno.EBADMSG, 0]
+        assert out["open without fd"] == [errno.EBADMSG, 0]
+        assert out["unknown id"] == [errno.EINVAL, 0]
         text = node.log.read_text()
         for reason in (
             "not inside the identity's node cache folder",
             "not opened read-only",
             "not a regular file",
-            "owned by uid 65534, not by the sidecar's uid 0",
+            f"owned by uid 0, not by the sidecar's uid {NOBODY}",
             "a request the broker does not know",
             "backing id 7 is not the sidecar's",
         ):
             assert reason in text, reason
         node.call("Identity", "Probe")  # carries on
         assert node.proc is not None
-        assert fuse_fds(node.proc.pid) == 1
-        broker.close()
+        assert fuse_fds(node.proc.pid) == 1  # the broker's copy, while the sidecar is there
     finally:
-        offer.close()
+        with contextlib.suppress(BrokenPipeError):
+            os.write(go_w, b"x")
+        os.close(go_w)
+        fake.communicate(timeout=30)  # waits, and closes its pipes
     wait_log(node, "is gone")
     assert fuse_fds(node.proc.pid) == 0
     node.unpublish("vol-m", target)
@@ -637,3 +675,23 @@ def test_after_a_plugin_restart_mounts_serve_and_new_opens_go_through_the_sideca
         held.close()
     assert data_gets(proxy) == fetched  # all of it from the node cache
     node.unpublish("vol-m", target)
+
+
+def test_a_hard_link_counts_once_and_a_future_mtime_as_now(tmp_path: Path) -> None:
+    """A folder's owner can link one version under many names and date it in the future:
+    the sweep counts an inode's bytes once and takes a future mtime for now."""
+    cache = NodeCache(str(tmp_path / "nc"), 5 * MiB)
+    cache.prepare()
+    root = tmp_path / "nc" / LAYOUT / "ns" / "sa" / "1000"
+    root.mkdir(parents=True)
+    _version(root, "a" * 64, 3 * MiB, time.time() + 86400, 1000)
+    sub = root / FORMAT / "aa"
+    os.link(sub / ("a" * 64), sub / ("a" * 63 + "b"))
+    _ledger(root, 6 * MiB, 1000)
+    assert cache.evict() == 0  # 3 MiB and a page, under 90% of 5 MiB: nothing to remove
+    other = tmp_path / "nc" / LAYOUT / "ns" / "sb" / "1000"
+    other.mkdir(parents=True)
+    _version(other, "c" * 64, 2 * MiB, time.time() - 100, 1000)
+    assert cache.evict() == 1  # over now: the older one goes, not the one dated tomorrow
+    assert (sub / ("a" * 64)).exists()
+    assert not (other / FORMAT / "cc" / ("c" * 64)).exists()

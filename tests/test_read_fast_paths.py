@@ -75,11 +75,11 @@ async def test_reads_from_memory_decline_without_a_trace_and_answer_exactly(
     for offset, size in [(0, 4096), (MiB - 100, 200), (2 * MiB, 3 * MiB + 123)]:
         answer = fs.read_locked(fh, offset, size)
         assert answer is not None
-        got, _window = answer
+        got, _window, _stream = answer
         joined = b"".join(got) if isinstance(got, list) else bytes(got)
         assert joined == data[offset : offset + size]
         assert pins(fs) == 0
-    assert fs.read_locked(fh, len(data), 10) == (b"", None)
+    assert fs.read_locked(fh, len(data), 10) == (b"", None, None)
 
 
 async def test_a_fresh_block_read_to_its_end_is_left_to_the_trio_thread(

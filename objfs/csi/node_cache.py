@@ -97,6 +97,13 @@ def peer_identity(conn: socket.socket, namespace: str, service_account: str) -> 
     """The identity of the process at the other end of ``conn`` (``SO_PEERCRED``)."""
     creds = conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     _pid, uid, gid = struct.unpack("3i", creds)
+    if uid == 0:
+        # A directory descriptor is no jail: root follows ``..`` out of the folder and up
+        # the node's tree (the levels above keep out only other users).
+        raise NodeCacheError(
+            "the sidecar runs as root: the node cache is handed only to a sidecar that runs "
+            "as another user (runAsNonRoot, as the examples do); it keeps the pod's cache-dir"
+        )
     for what, name in (("namespace", namespace), ("service account", service_account)):
         if not _NAME.fullmatch(name or ""):
             raise NodeCacheError(f"the pod's {what} {name!r} is missing or not a Kubernetes name")
@@ -304,7 +311,9 @@ def _open_ledger(folder: str, uid: int) -> int:
     try:
         fds.append(os.open(folder, _DIR_FLAGS))
         fds.append(os.open(FORMAT, _DIR_FLAGS, dir_fd=fds[-1]))
-        fd = os.open(".lock", os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fds[-1])
+        # O_NONBLOCK: a lease its owner put on it fails the open instead of stalling the sweep.
+        flags = os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+        fd = os.open(".lock", flags, dir_fd=fds[-1])
     except OSError:
         return -1
     finally:
@@ -342,6 +351,8 @@ class _Version:
 def _versions(root_fd: int) -> list[_Version]:
     """The versions under a folder's ``v4`` (open as ``root_fd``), through descriptors only."""
     found: dict[str, _Version] = {}
+    seen: set[tuple[int, int]] = set()  # inodes counted: a hard link adds no bytes
+    now = time.time()
     for sub in os.scandir(root_fd):
         if len(sub.name) != 2 or not sub.is_dir(follow_symlinks=False):
             continue
@@ -362,8 +373,11 @@ def _versions(root_fd: int) -> list[_Version]:
                     continue
                 version = found.setdefault(digest, _Version(sub.name, []))
                 version.names.append(entry.name)
-                version.allocated += st.st_blocks * _ST_BLOCK
-                version.mtime = max(version.mtime, st.st_mtime)
+                if (st.st_dev, st.st_ino) not in seen:
+                    seen.add((st.st_dev, st.st_ino))
+                    version.allocated += st.st_blocks * _ST_BLOCK
+                # The owner sets mtimes: one in the future counts as now, not as newest.
+                version.mtime = max(version.mtime, min(st.st_mtime, now))
         finally:
             os.close(sub_fd)
     return list(found.values())

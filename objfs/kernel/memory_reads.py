@@ -26,6 +26,7 @@ usual way, which answers errors too. No view of a block outlives the lock it was
 from __future__ import annotations
 
 import contextlib
+import logging
 import struct
 import threading
 import time
@@ -37,6 +38,9 @@ from objfs.kernel import protocol as p
 from objfs.kernel import replies as rp
 from objfs.kernel.read_turns import ReadTurns
 from objfs.kernel.writers import Holds, ReplyWriters, give_back, write_reply
+from objfs.readahead import Stream
+
+log = logging.getLogger("objfs.kernel.session")
 
 # A READ's fh, offset and size: the first fields of fuse_read_in, after the header.
 _READ_ARGS = struct.Struct("<QQI")
@@ -87,6 +91,8 @@ class MemoryReads:
         self.reads_in_reader = 0
         self.reads_on_arrival = 0
         self.bytes_served = 0  # changed under the core's lock only
+        #: Set (under the lock) when serve ends: the core is no longer the reader's.
+        self.closed = False
         self._touched_at = 0.0  # when the reader thread last told the core it reads
 
     def in_reader(self, fd: int, data: bytes, token: trio.lowlevel.TrioToken) -> bool:
@@ -103,7 +109,7 @@ class MemoryReads:
             # a model cold take 1.96x one loader's time, against 1.5x before).
             return False
         try:
-            if self.arrived != self.handed or not self._turns.idle():
+            if self.closed or self.arrived != self.handed or not self._turns.idle():
                 return False
             unique = struct.unpack_from("<Q", data, 8)[0]
             fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
@@ -113,7 +119,7 @@ class MemoryReads:
                 return False  # the trio thread answers it (its errno)
             if answer is None:
                 return False
-            got, window = answer
+            got, window, stream = answer
             parts = got if isinstance(got, list) else [got]
             nbytes = sum(len(part) for part in parts)
             write_reply(fd, [rp.out_header(unique, nbytes), *parts])
@@ -127,15 +133,19 @@ class MemoryReads:
             # The read-ahead, and a sign of life for the backfill, on the trio thread.
             self._touched_at = now
             with contextlib.suppress(trio.RunFinishedError):
-                token.run_sync_soon(self._read_ahead, fh, window)
+                token.run_sync_soon(self._read_ahead, fh, window, stream)
         return True
 
-    def _read_ahead(self, fh: int, window: tuple[int, int] | None) -> None:
-        """(trio thread) What a READ answered in the reader thread leaves to do."""
-        if window is None:
-            self.fs.fetcher.writes.touch()
-        else:
-            self.fs.read_ahead(fh, window)
+    def _read_ahead(self, fh: int, window: tuple[int, int] | None, stream: Stream | None) -> None:
+        """(trio thread, a run_sync_soon callback, whose exception would end the run) What a
+        READ answered in the reader thread leaves to do."""
+        try:
+            if window is None:
+                self.fs.fetcher.writes.touch()
+            else:
+                self.fs.read_ahead(fh, window, stream)
+        except Exception:
+            log.exception("queueing the read-ahead of a READ answered from memory failed")
 
     def on_arrival(self, fd: int, data: bytes) -> bool:
         """(trio thread, as the READ ``data`` arrives, none waiting for its turn) Answer it

@@ -113,16 +113,20 @@ class BrokerRegistrar(Registrar):
 
     def _call(self, message: bytes, fds: list[int]) -> int:
         with self._mutex:
+            if self._sock.fileno() < 0:
+                raise OSError(errno.ENOTCONN, "the node plugin's passthrough broker is gone")
             try:
                 socket.send_fds(self._sock, [message], fds)
                 answer = self._sock.recv(BROKER_ANSWER.size + 1)
             except (OSError, TimeoutError) as exc:
+                self._sock.close()  # a late answer must never meet the next request
                 raise OSError(
                     errno.ENOTCONN,
                     f"the node plugin's passthrough broker is gone or silent ({exc}); a node "
                     "plugin restart ends it until the sidecar restarts",
                 ) from None
             if len(answer) != BROKER_ANSWER.size:
+                self._sock.close()
                 raise OSError(
                     errno.ENOTCONN,
                     "the node plugin's passthrough broker is gone (a node plugin restart ends "

@@ -203,6 +203,7 @@ class KernelSession:
                 await self._done.wait()
                 nursery.cancel_scope.cancel()
         finally:
+            self.memory.closed = True  # under the lock: this step holds it
             trio.lowlevel.remove_instrument(core)
             core.lock.release()  # this step's start took it; its end no longer will
 
