@@ -104,7 +104,7 @@ class Telemetry:
             # READs answered from memory as they were read, with no task: by the reader
             # thread itself (under the core's lock), or on arrival in the trio thread.
             "reads_in_reader": int(getattr(self.ops, "reads_in_reader", 0)),
-            "reads_on_arrival": int(getattr(self.ops, "reads_now", 0)),
+            "reads_on_arrival": int(getattr(self.ops, "reads_on_arrival", 0)),
             # Why the kernel refused a backing file for good (passthrough then off), or None.
             "passthrough_refused": getattr(self.ops, "passthrough_refused", None),
         }

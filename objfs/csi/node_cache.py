@@ -53,8 +53,13 @@ from dataclasses import dataclass
 
 from objfs.disk_cache.layout import DIGEST_LENGTH, FORMAT
 from objfs.errors import UsageError
-from objfs.kernel import protocol as p
-from objfs.kernel.passthrough import BROKER_ANSWER, BROKER_CLOSE, BROKER_ID, BROKER_OPEN
+from objfs.kernel.passthrough import (
+    BROKER_ANSWER,
+    BROKER_CLOSE,
+    BROKER_ID,
+    BROKER_OPEN,
+    Registrar,
+)
 
 log = logging.getLogger("objfs.csi")
 
@@ -116,7 +121,6 @@ class NodeCache:
     def __init__(self, root: str, size_bytes: int) -> None:
         self.root = os.path.realpath(root)
         self.size_bytes = size_bytes
-        self.evictions = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -248,7 +252,6 @@ class NodeCache:
                 _close(lock_fd)  # closing drops the flock
                 _close(root_fd)
         if removed:
-            self.evictions += removed
             log.info(
                 "node cache: removed %d least recently used versions (%.1f MiB) across "
                 "identities to stay under the cap of %.1f GiB",
@@ -420,6 +423,7 @@ class Broker:
         self.registered: set[int] = set()
         self.refusals = 0
         self._fuse_fd = fuse_fd
+        self._ioctls = Registrar()  # the very ioctls a privileged mount makes itself
         self._mutex = threading.Lock()
         self._folder_dev = os.stat(folder).st_dev
         self._ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -434,10 +438,6 @@ class Broker:
         """The sidecar has its end (or will never get it): close this process's copy."""
         _close(self.theirs)
         self.theirs = -1
-
-    @property
-    def fuse_fd(self) -> int:
-        return self._fuse_fd
 
     def close(self) -> None:
         """Closes the copy of the FUSE fd and the socket; waits for the thread."""
@@ -489,13 +489,7 @@ class Broker:
                 if self._fuse_fd < 0:
                     return errno.ENOTCONN, 0
                 try:
-                    backing_id = int(
-                        fcntl.ioctl(
-                            self._fuse_fd,
-                            p.DEV_IOC_BACKING_OPEN,
-                            bytearray(p.backing_map(fds[0])),
-                        )
-                    )
+                    backing_id = self._ioctls.open(self._fuse_fd, fds[0])
                 except OSError as exc:
                     return exc.errno or errno.EIO, 0
             self.registered.add(backing_id)
@@ -508,11 +502,7 @@ class Broker:
                 if self._fuse_fd < 0:
                     return errno.ENOTCONN, 0
                 try:
-                    fcntl.ioctl(
-                        self._fuse_fd,
-                        p.DEV_IOC_BACKING_CLOSE,
-                        bytearray(BROKER_ID.pack(backing_id)),
-                    )
+                    self._ioctls.close(self._fuse_fd, backing_id)
                 except OSError as exc:
                     return exc.errno or errno.EIO, 0
             self.registered.discard(backing_id)

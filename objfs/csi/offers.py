@@ -292,7 +292,6 @@ class Offers:
         if node is not None:
             dir_fd, broker = node
             fds.update({"cache-dir": dir_fd, "backing": broker.theirs})
-            assert self.node_cache is not None
             payload = self.node_cache_payload(payload, broker)
         try:
             try:

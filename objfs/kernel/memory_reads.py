@@ -52,6 +52,14 @@ INLINE_REPLY_BYTES = 256 * 1024
 _TOUCH_S = 0.1
 
 
+def _read_args(data: bytes) -> tuple[int, int, int, int] | None:
+    """A READ request's unique, fh, offset and size, or None if it is too short to hold them
+    (the task's own parse then answers it)."""
+    if len(data) < _READ_ARGS_END:
+        return None
+    return (struct.unpack_from("<Q", data, 8)[0], *_READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE))
+
+
 class CoreLock(trio.abc.Instrument):
     """The core's lock: the trio thread holds it during every task step (every line of
     objfs that runs there runs in one), so another thread that holds it runs while no objfs
@@ -77,13 +85,11 @@ class MemoryReads:
         fs: FileSystem,
         writers: ReplyWriters,
         turns: ReadTurns,
-        stopping: threading.Event,
     ) -> None:
         self.fs = fs
         self.core = CoreLock()
         self._writers = writers
         self._turns = turns
-        self._stopping = stopping
         #: READs the reader thread handed to the trio thread, and those that arrived there:
         #: the reader thread answers a READ itself only when none is on its way.
         self.handed = 0
@@ -100,8 +106,10 @@ class MemoryReads:
         lock is free at once), memory holds it and reading it wakes nobody; False, with
         nothing done, otherwise (also when a READ is on its way to the trio thread or waits
         for its turn)."""
-        if len(data) < _READ_ARGS_END:
+        args = _read_args(data)
+        if args is None:
             return False
+        unique, fh, offset, size = args
         lock = self.core.lock
         if not lock.acquire(blocking=False):
             # The trio thread is in a step: busy (a cold load's fetches), so this READ goes
@@ -111,8 +119,6 @@ class MemoryReads:
         try:
             if self.closed or self.arrived != self.handed or not self._turns.idle():
                 return False
-            unique = struct.unpack_from("<Q", data, 8)[0]
-            fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
             try:
                 answer = self.fs.read_locked(fh, offset, size)
             except Exception:
@@ -120,10 +126,9 @@ class MemoryReads:
             if answer is None:
                 return False
             got, window, stream = answer
-            parts = got if isinstance(got, list) else [got]
-            nbytes = sum(len(part) for part in parts)
-            write_reply(fd, [rp.out_header(unique, nbytes), *parts])
-            del got, parts, answer  # no view of a block outlives the lock
+            reply, nbytes = rp.data_reply(unique, got)
+            write_reply(fd, reply)
+            del got, reply, answer  # no view of a block outlives the lock
             self.bytes_served += nbytes
             self.reads_in_reader += 1
         finally:
@@ -150,10 +155,10 @@ class MemoryReads:
     def on_arrival(self, fd: int, data: bytes) -> bool:
         """(trio thread, as the READ ``data`` arrives, none waiting for its turn) Answer it
         if memory holds it; False, with nothing done, otherwise: it becomes a task."""
-        if len(data) < _READ_ARGS_END:
+        args = _read_args(data)
+        if args is None:
             return False
-        unique = struct.unpack_from("<Q", data, 8)[0]
-        fh, offset, size = _READ_ARGS.unpack_from(data, p.IN_HEADER_SIZE)
+        unique, fh, offset, size = args
         holds: Holds = []
         try:
             got = self.fs.read_nowait(fh, offset, size, holds=holds)
@@ -162,14 +167,12 @@ class MemoryReads:
             return False  # the task's own read answers it (its errno)
         if got is None:
             return False
-        parts = got if isinstance(got, list) else [got]
-        nbytes = sum(len(part) for part in parts)
+        reply, nbytes = rp.data_reply(unique, got)
         self.bytes_served += nbytes
         self.reads_on_arrival += 1
-        reply = [rp.out_header(unique, nbytes), *parts]
         if nbytes <= INLINE_REPLY_BYTES:
             write_reply(fd, reply)
-            del reply, parts, got
+            del reply, got
             give_back(holds)
         else:
             self._writers.submit(fd, reply, holds)

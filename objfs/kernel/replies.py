@@ -75,6 +75,14 @@ def out_header(unique: int, payload_len: int) -> bytes:
     return _OUT_HEADER.pack(OUT_HEADER_SIZE + payload_len, 0, unique)
 
 
+def data_reply(unique: int, data: Buffer | list[memoryview]) -> tuple[list[Buffer], int]:
+    """A READ reply's parts for one ``writev`` (the header, then ``data``: one buffer or a
+    list of them, in order) and its payload's length."""
+    parts: list[Buffer] = data if isinstance(data, list) else [data]  # type: ignore[assignment]
+    nbytes = sum(len(part) for part in parts)
+    return [out_header(unique, nbytes), *parts], nbytes
+
+
 def reply(unique: int, payload: Buffer = b"") -> bytes:
     """A whole success reply: header and payload in one ``bytes``."""
     return _OUT_HEADER.pack(OUT_HEADER_SIZE + len(payload), 0, unique) + payload

@@ -140,7 +140,7 @@ class KernelSession:
         self.passthrough_opens = 0
         self._turns = ReadTurns()  # READs enter the core in arrival order
         # READs answered from memory with no task (the reader thread's, on arrival).
-        self.memory = MemoryReads(fs, self._writers, self._turns, self._stopping)
+        self.memory = MemoryReads(fs, self._writers, self._turns)
 
     @property
     def bytes_served(self) -> int:
@@ -155,7 +155,7 @@ class KernelSession:
         return self.memory.reads_in_reader
 
     @property
-    def reads_now(self) -> int:
+    def reads_on_arrival(self) -> int:
         return self.memory.reads_on_arrival
 
     @property
@@ -425,11 +425,10 @@ class KernelSession:
         except BaseException:
             give_back(holds)
             raise
-        parts = data if isinstance(data, list) else [data]
-        nbytes = sum(len(part) for part in parts)
+        reply, nbytes = rp.data_reply(unique, data)
         self._bytes_served += nbytes
         self._reads += 1
-        self._writers.submit(fd, [rp.out_header(unique, nbytes), *parts], holds)
+        self._writers.submit(fd, reply, holds)
 
     def _answer_at_once(self, fd: int, data: bytes) -> None:
         """(trio thread, in arrival order) RELEASE, RELEASEDIR, FORGET, BATCH_FORGET,
