@@ -21,13 +21,15 @@ AZURITE_VERSION := 3.35.0
 NPM_TOOLS := .npm-tools
 AZURITE_STAMP := $(NPM_TOOLS)/.azurite-$(AZURITE_VERSION)
 
-.PHONY: help setup sysdeps nodejs azurite lint format test demo clean bench bench-deps e2e
+.PHONY: help setup sysdeps nodejs azurite lint format test demo clean bench bench-deps e2e manifests
 
 help:
 	@echo "make demo   - local S3 server + small model + objfs mount + transformers load"
 	@echo "make test   - lint, then the whole test suite (real FUSE mounts, real S3 server)"
 	@echo "make lint   - ruff and mypy (strict on objfs/)"
 	@echo "make format - ruff format and import sorting"
+	@echo "make manifests - render the Helm chart k8s/charts/objfs into k8s/csi and"
+	@echo "              k8s/cache-engine (edit the chart, then run this)"
 	@echo "make e2e    - vLLM (CPU) loads and serves models from an objfs mount (~10 min the"
 	@echo "              first time: it builds .venv-vllm)"
 	@echo "make bench  - objfs against the ceiling, s3fs, rclone, Run:ai and local disk (~15 min;"
@@ -81,6 +83,12 @@ lint: setup
 format: setup
 	$(VENV)/bin/ruff check --fix objfs tests
 	$(VENV)/bin/ruff format objfs tests
+
+# The chart k8s/charts/objfs is the one source of the CSI driver's and the cache engine's
+# manifests: this renders it with Helm's engine into k8s/csi/ and k8s/cache-engine/ for
+# `kubectl apply -k` (tests/test_helm_chart.py fails while k8s/csi differs from a render).
+manifests: setup
+	$(PY) -m tests.helpers.chart --write
 
 # The whole suite on the default transport (kernel), then the mount-semantics, fault and CSI
 # suites again on the fallback (pyfuse3).

@@ -31,8 +31,11 @@ CACHE_ENGINE = K8S / "cache-engine"
 TEMPLATE = CACHE_ENGINE / "nginx.conf.template"
 # The first release with native sidecars on by default, and the newest schemas bundled.
 VERSIONS = ("1.29.0", kubernetes_validate.utils.latest_version())
+# The objfs Helm chart: templates, not manifests (k8s/csi and k8s/cache-engine are rendered
+# from it; tests/test_helm_chart.py tests it).
+CHARTS = K8S / "charts"
 # Helm values files: input to a chart, not Kubernetes objects; no kustomization lists them.
-HELM_VALUES = sorted(K8S.rglob("values*.yaml"))
+HELM_VALUES = sorted(p for p in K8S.rglob("values*.yaml") if not p.is_relative_to(CHARTS))
 # The Helm post-renderer's kustomization and patch work on the chart's output, not on files
 # here: tested by rendering (test_helm_post_renderer_adds_the_objfs_sidecar_to_each_engine).
 POST_RENDERER = K8S / "vllm-production-stack" / "post-renderer"
@@ -42,9 +45,12 @@ MANIFESTS = sorted(
     if p.name != "kustomization.yaml"
     and p not in HELM_VALUES
     and not p.is_relative_to(POST_RENDERER)
+    and not p.is_relative_to(CHARTS)
 )
 KUSTOMIZATIONS = sorted(
-    p for p in K8S.rglob("kustomization.yaml") if not p.is_relative_to(POST_RENDERER)
+    p
+    for p in K8S.rglob("kustomization.yaml")
+    if not p.is_relative_to(POST_RENDERER) and not p.is_relative_to(CHARTS)
 )
 SIDECAR_ENV = {"OBJFS_SOURCE", "OBJFS_MOUNTPOINT", "OBJFS_OPTIONS", "OBJFS_READY_FILE"}
 
@@ -663,12 +669,33 @@ def test_csi_node_plugin_fits_together() -> None:
     name = csi_driver()["metadata"]["name"]
     daemonset = find("DaemonSet", "objfs-csi-node")
     spec = daemonset["spec"]["template"]["spec"]
+    account = find("ServiceAccount", spec["serviceAccountName"])
+    check_csi_node_plugin(daemonset, account, name)
+    # The shipped scheduling: first, never preempted, on every node whatever its taints.
     assert spec["priorityClassName"] == "system-node-critical"
+    assert {"operator": "Exists"} in spec["tolerations"]
+    containers = {c["name"]: c for c in spec["containers"]}
+    for container, image in (
+        ("node-driver-registrar", "registry.k8s.io/sig-storage/csi-node-driver-registrar"),
+        ("livenessprobe", "registry.k8s.io/sig-storage/livenessprobe"),
+    ):
+        repository, tag = containers[container]["image"].rsplit(":", 1)
+        assert repository == image
+        assert tag.startswith("v2.")
+
+
+def check_csi_node_plugin(
+    daemonset: dict[str, Any], account: dict[str, Any], name: str
+) -> argparse.Namespace:
+    """The node plugin's DaemonSet (and its ServiceAccount) fit together and with objfs:
+    `objfs csi` accepts its arguments, the kubelet's paths agree, the sidecars find the socket.
+    Also run on the Helm chart's renders (tests/test_helm_chart.py). Returns the parsed
+    arguments of `objfs csi`."""
+    spec = daemonset["spec"]["template"]["spec"]
     assert not spec.get("hostNetwork")
     assert spec["automountServiceAccountToken"] is False  # no API access
-    account = find("ServiceAccount", spec["serviceAccountName"])
+    assert account["metadata"]["name"] == spec["serviceAccountName"]
     assert account["automountServiceAccountToken"] is False
-    assert {"operator": "Exists"} in spec["tolerations"]
     volumes = {v["name"]: v for v in spec["volumes"]}
     containers = {c["name"]: c for c in spec["containers"]}
     assert set(containers) == {"objfs-csi", "node-driver-registrar", "livenessprobe"}
@@ -701,9 +728,6 @@ def test_csi_node_plugin_fits_together() -> None:
     assert host_plugin_dir == Path(args.kubelet_dir) / "plugins" / name
 
     registrar = containers["node-driver-registrar"]
-    image, tag = registrar["image"].rsplit(":", 1)
-    assert image == "registry.k8s.io/sig-storage/csi-node-driver-registrar"
-    assert tag.startswith("v2.")
     flags = flag_values(registrar)
     csi_address = Path(mount_of(registrar, "plugin-dir")["mountPath"]) / socket_path.name
     assert flags["csi-address"] == str(csi_address)
@@ -717,9 +741,6 @@ def test_csi_node_plugin_fits_together() -> None:
     # The objfs-csi container's liveness: the livenessprobe container's /healthz, which calls
     # the plugin's Probe over the same socket.
     probe = containers["livenessprobe"]
-    image, tag = probe["image"].rsplit(":", 1)
-    assert image == "registry.k8s.io/sig-storage/livenessprobe"
-    assert tag.startswith("v2.")
     flags = flag_values(probe)
     assert flags["csi-address"] == str(
         Path(mount_of(probe, "plugin-dir")["mountPath"]) / socket_path.name
@@ -735,6 +756,20 @@ def test_csi_node_plugin_fits_together() -> None:
         assert security["allowPrivilegeEscalation"] is False
         assert security["capabilities"] == {"drop": ["ALL"]}
         assert security["readOnlyRootFilesystem"] is True
+
+    # The node cache: the hostPath at its node path, the flags with it, or none of them.
+    if args.node_cache_dir is None:
+        assert args.node_cache_size is None
+        assert "node-cache" not in volumes
+        assert all(m["name"] != "node-cache" for m in objfs["volumeMounts"])
+    else:
+        assert mount_of(objfs, "node-cache")["mountPath"] == args.node_cache_dir
+        assert volumes["node-cache"]["hostPath"] == {
+            "path": args.node_cache_dir,
+            "type": "DirectoryOrCreate",
+        }
+        assert parse_size(args.node_cache_size, option="--node-cache-size") > 0
+    return args
 
 
 def test_readme_pod_snippet_matches_the_example() -> None:
