@@ -1,5 +1,5 @@
-"""Data GETs through a shared cache engine (``--cache-proxy``): the shipped nginx
-configuration (``k8s/cache-engine/nginx.conf.template``) run for real in front of moto, with a
+"""Data GETs through a shared cache engine (``--cache-proxy``): the nginx configuration the
+Helm chart renders (``k8s/charts/objfs/files/nginx.conf``) run for real in front of moto, with a
 counting proxy between nginx and moto that sees every byte the origin sends.
 
 What is checked: two nodes (two mounts, each with its own disk cache) loading the same files
@@ -20,7 +20,6 @@ import errno
 import itertools
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
@@ -46,12 +45,11 @@ from tests.conftest import (
     run_objfs,
     sha256,
 )
+from tests.helpers import cache_engine
+from tests.helpers.dns import DnsServer
 from tests.helpers.proxy import Proxy
 
 MiB = 1 << 20
-REPO = Path(__file__).resolve().parents[1]
-TEMPLATE = REPO / "k8s" / "cache-engine" / "nginx.conf.template"
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 PART = "4M"  # the mounts' --part-size and the engine's slice size
 
 
@@ -64,49 +62,29 @@ def _free_port() -> int:
 def render(
     run_dir: Path, origin_port: int, listen: int, cache: int, origin_host: str = "127.0.0.1"
 ) -> Path:
-    """The shipped template for one instance on loopback in front of ``origin_port`` (as
-    ``origin_host``: the host objfs signs for)."""
-    return render_conf(
-        run_dir, f"{origin_host}:{origin_port}", f"127.0.0.1:{listen}", f"127.0.0.1:{cache}"
-    )
+    """The chart's configuration for one instance on this machine in front of
+    ``origin_port`` (as ``origin_host``: the host objfs signs for)."""
+    return render_conf(run_dir, f"{origin_host}:{origin_port}", listen, cache)
 
 
 def render_conf(
     run_dir: Path,
     origin: str,
-    listen: str,
-    cache: str,
+    listen: int,
+    cache: int,
     nodes: list[str] | None = None,
     slice_size: str = PART,
 ) -> Path:
-    """The shipped template as envsubst would fill it: the router on ``listen``, the cache
-    server on ``cache``, slices hashed over ``nodes`` (the cache servers of every instance,
-    this one alone by default), the store at ``origin`` (host:port, http)."""
-    values = {
-        "LISTEN_PORT": listen,
-        "CACHE_PORT": cache,
-        "CACHE_NODES": " ".join(f"server {n};" for n in (nodes or [cache])),
-        "ORIGIN_URL": f"http://{origin}",
-        "ORIGIN_HOST": origin,
-        "CACHE_DIR": str(run_dir / "cache"),
-        "CACHE_MAX_SIZE": "1g",
-        "SLICE_SIZE": slice_size.lower(),
-        "RUN_DIR": str(run_dir),
-    }
-    text = TEMPLATE.read_text()
-    for name, value in values.items():
-        text = text.replace("${" + name + "}", value)
-    assert "${" not in text.split("# Security")[1], "a placeholder was left unfilled"
-    conf = run_dir / "nginx.conf"
-    conf.write_text(text)
-    return conf
+    """The chart's configuration as an instance runs it: the router on port ``listen``, the
+    cache server on ``cache``, slices hashed over ``nodes`` (host:port of every instance's
+    cache server, this one alone by default), the store at ``origin`` (host:port, http)."""
+    return cache_engine.write_conf(run_dir, origin, listen, cache, nodes, slice_size.lower())
 
 
 class Engine:
     """nginx with the shipped configuration, in front of ``origin``; ``url`` is the router."""
 
     def __init__(self, run_dir: Path, origin: Proxy, origin_host: str = "127.0.0.1") -> None:
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir = run_dir
         self.listen, self.cache = _free_port(), _free_port()
         self.conf = render(run_dir, origin.port, self.listen, self.cache, origin_host)
@@ -115,9 +93,9 @@ class Engine:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            # As root, workers run as root too: the cache folder is under pytest's private
-            # tmp. Its own session, so that kill() ends the workers with the master.
-            [NGINX, "-c", str(self.conf), "-p", str(self.run_dir), "-g", "daemon off; user root;"],
+            # Its own session, so that kill() ends the workers with the master.
+            cache_engine.nginx_command(self.run_dir),
+            cwd=self.run_dir,
             stdin=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
@@ -272,12 +250,10 @@ def test_the_command_refuses_a_bad_engine_address(mnt: Path) -> None:
 
 
 def test_the_shipped_nginx_configuration_is_valid(tmp_path: Path) -> None:
-    conf = render(tmp_path, 9000, _free_port(), _free_port())
-    res = subprocess.run(
-        [NGINX, "-t", "-c", str(conf), "-p", str(tmp_path)], capture_output=True, text=True
-    )
+    render(tmp_path, 9000, _free_port(), _free_port())
+    res = cache_engine.check(tmp_path)
     assert res.returncode == 0, res.stderr
-    text = conf.read_text()
+    text = (tmp_path / "nginx.conf").read_text()
     assert "$args" not in text
     assert "$query_string" not in text
     assert "proxy_cache_key $uri|$http_if_match|$http_range;" in text
@@ -286,11 +262,155 @@ def test_the_shipped_nginx_configuration_is_valid(tmp_path: Path) -> None:
     config = "\n".join(line.split("#", 1)[0] for line in text.splitlines())
     uses = [line.strip() for line in config.splitlines() if "$request_uri" in line]
     assert uses == [
-        f"proxy_pass http://unix:{tmp_path}/authorize.sock:$request_uri;",
+        "proxy_pass http://unix:authorize.sock:$request_uri;",
         "proxy_cache_key $request_uri;",
     ]
     assert "auth_request /.objfs-authorize;" in config
-    assert f"proxy_cache_path {tmp_path}/authorized " in config
+    # Everything nginx writes is in its run folder (relative paths), but the slices.
+    assert "proxy_cache_path authorized " in config
+    assert f"proxy_cache_path {tmp_path}/cache " in config
+
+
+class ClusterInstance:
+    """One instance of the engine as the chart deploys it: the StatefulSet's own start script
+    and the ConfigMap's template, rendered by Helm's engine. Only what a cluster gives each
+    pod is put here instead: its resolv.conf (a DNS server this test runs on loopback), the
+    address it listens on (instances share ports, each at its own loopback address, as pods
+    at their own IPs), its run and cache folders, and workers running as root (the folders
+    are under pytest's private tmp)."""
+
+    def __init__(self, rendered: dict[str, str], ip: str, nameserver: str, tmp: Path) -> None:
+        import yaml
+
+        docs = yaml.safe_load(rendered["objfs/templates/cache-engine/statefulset.yaml"])
+        (container,) = docs["spec"]["template"]["spec"]["containers"]
+        (script,) = container["args"]
+        env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
+        config_map = yaml.safe_load(rendered["objfs/templates/cache-engine/configmap.yaml"])
+        self.ip, self.tmp = ip, tmp
+        tmp.mkdir()
+        template = tmp / "nginx.conf.template"
+        template.write_text(cache_engine.listen_on(config_map["data"][template.name], ip))
+        resolv = tmp / "resolv.conf"
+        resolv.write_text(f"search objfs.svc.cluster.local\nnameserver {nameserver}\n")
+        for old, new in (
+            ("/etc/resolv.conf", str(resolv)),
+            (f"/etc/objfs-cache/{template.name}", str(template)),
+            ("-g 'daemon off;'", "-g 'daemon off; user root;'"),
+        ):
+            assert old in script, old
+            script = script.replace(old, new)
+        self.run_dir = tmp / "run"
+        self.run_dir.mkdir()
+        env.update(
+            RUN_DIR=str(self.run_dir),
+            CACHE_DIR=str(tmp / "slices"),
+            POD_NAMESPACE="objfs",
+            PATH="/usr/sbin:/usr/bin:/sbin:/bin",
+        )
+        self.ports = {p["name"]: int(p["containerPort"]) for p in container["ports"]}
+        self.url = f"http://{ip}:{self.ports['router']}"
+        self.log = tmp / "stdout.log"
+        with open(self.log, "wb") as out:
+            self.proc = subprocess.Popen(
+                ["/bin/sh", "-c", script], env=env, stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.PIPE, start_new_session=True,
+            )  # fmt: skip
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection((ip, self.ports["router"]), timeout=0.5).close()
+                return
+            except OSError:
+                assert self.proc.poll() is None, self.proc.communicate()[1].decode()
+                assert time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.05)
+
+    def access_log(self) -> str:
+        return self.log.read_text()
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=15)
+        if self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+
+def _free_shared_port(ips: list[str]) -> int:
+    """A port free at every one of ``ips``."""
+    while True:
+        port = _free_port()
+        try:
+            for ip in ips:
+                with socket.socket() as s:
+                    s.bind((ip, port))
+            return port
+        except OSError:
+            continue
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the test's DNS server binds port 53")
+def test_the_charts_engine_finds_its_peers_by_name_and_a_second_node_hits(
+    s3: Any, bucket: str, origin: Proxy, mount_s3: Any, tmp_path: Path
+) -> None:
+    """Three instances in the chart (replicas 3), two running: objfs-cache-0 and -1 have names
+    in the test's DNS server, -2 has none (a pod not ready yet). Node a loads through
+    instance 0, node b through instance 1: b's slices are all cache hits, wherever they
+    live, and the store sends the file about once. Then instance 0 is killed: node c, through
+    instance 1, still reads every byte right, its slices owned by 0 and 2 served by the next
+    instance on the ring."""
+    ips = ["127.77.0.10", "127.77.0.11"]
+    nameserver = "127.77.0.53"
+    ports = {"router": _free_shared_port(ips), "cache": _free_shared_port(ips)}
+    rendered = cache_engine.render_chart(
+        cache_engine.engine_values(
+            replicas=3, origin={"url": origin.url}, ports=ports, sliceSize=PART.lower()
+        )
+    )
+    names = {
+        f"objfs-cache-{i}.objfs-cache-peers.objfs.svc.cluster.local": ip for i, ip in enumerate(ips)
+    }
+    data = os.urandom(40 * MiB + 321)
+    put_many(s3, bucket, {"m/model.bin": data})
+    with contextlib.ExitStack() as stack:
+        dns = stack.enter_context(DnsServer(names, host=nameserver))
+        instances = []
+        for i, ip in enumerate(ips):
+            instance = ClusterInstance(rendered, ip, nameserver, tmp_path / f"instance{i}")
+            stack.callback(instance.kill)
+            instances.append(instance)
+
+        def node(name: str, instance: ClusterInstance) -> Mount:
+            return _node(mount_s3, bucket, origin, instance, name, tmp_path)  # type: ignore[arg-type]
+
+        a = node("a", instances[0])
+        origin.reset_stats()
+        assert sha256((a.path / "model.bin").read_bytes()) == sha256(data)
+        first = origin.stats.response_bytes
+        assert len(data) <= first <= 1.05 * len(data)
+        b = node("b", instances[1])
+        assert sha256((b.path / "model.bin").read_bytes()) == sha256(data)
+        # The store sent nothing more but the authorization checks' 1-byte answers.
+        assert origin.stats.response_bytes - first < MiB
+        for m in (a, b):
+            assert fresh_status(m.path)["cache_engine"]["failures"] == 0
+        # Every instance's cache server holds slices (by name: the ring found both peers),
+        # and every slice b asked for was a hit; a's were misses, each fetched once.
+        slices = -(-len(data) // (4 * MiB))
+        logs = "".join(i.access_log() for i in instances)
+        hits = re.findall(r"cache=HIT", logs)
+        misses = re.findall(r"cache=MISS", logs)
+        assert len(misses) == slices, (len(misses), slices)
+        assert len(hits) >= slices
+        for instance in instances:
+            assert "cache=MISS" in instance.access_log()
+        for i in (0, 1, 2):
+            assert dns.asked[f"objfs-cache-{i}.objfs-cache-peers.objfs.svc.cluster.local"] > 0
+        instances[0].kill()
+        c = node("c", instances[1])
+        assert sha256((c.path / "model.bin").read_bytes()) == sha256(data)
+        assert fresh_status(c.path)["cache_engine"]["bytes_via_engine"] == len(data)
 
 
 # -- through a real engine -----------------------------------------------------------------------

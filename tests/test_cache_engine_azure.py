@@ -1,7 +1,8 @@
-"""Data GETs of Azure mounts through a shared cache engine (``--cache-proxy``): the shipped nginx
-configuration (``k8s/cache-engine/nginx.conf.template``) run for real in front of Azurite,
-with a counting proxy between nginx and Azurite that sees every byte the origin sends (objfs's
-account URL is that proxy too, so the URLs it signs name the host nginx forwards to).
+"""Data GETs of Azure mounts through a shared cache engine (``--cache-proxy``): the nginx
+configuration the Helm chart renders (``k8s/charts/objfs/files/nginx.conf``) run for real in
+front of Azurite, with a counting proxy between nginx and Azurite that sees every byte the
+origin sends (objfs's account URL is that proxy too, so the URLs it signs name the host nginx
+forwards to).
 
 What is checked: two nodes (two mounts, each with its own disk cache) loading the same blobs
 at once fetch them about once from the origin, byte-exact, with SAS that objfs signs with the

@@ -2,9 +2,9 @@
 engine, from a real on-prem store, each in a network namespace of its own.
 
 The network (tests/helpers/netns.py): four node namespaces, each running an objfs mount with
-its own disk cache; one engine namespace running two nginx instances of the shipped
-configuration (k8s/cache-engine/nginx.conf.template), which spread the slices between them
-by consistent hashing; one origin namespace running SeaweedFS. Nodes 0 and 2 point
+its own disk cache; one engine namespace running two nginx instances of the configuration
+the Helm chart renders (k8s/charts/objfs/files/nginx.conf), which spread the slices between
+them by consistent hashing; one origin namespace running SeaweedFS. Nodes 0 and 2 point
 ``--cache-proxy`` at the first instance, 1 and 3 at the second. The origin's bytes sent are
 the kernel's count for its link (headers included), so nothing between origin and engine is
 trusted to count.
@@ -40,8 +40,9 @@ from tests.conftest import (
     sha256,
 )
 from tests.helpers import seaweedfs
+from tests.helpers.cache_engine import nginx_command
 from tests.helpers.netns import Fabric, Host
-from tests.test_cache_engine import NGINX, render_conf
+from tests.test_cache_engine import render_conf
 
 pytestmark = [
     pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
@@ -78,20 +79,21 @@ class EngineInstance:
         run_dir.mkdir(parents=True)
         self.host, self.port = host, ROUTER_PORTS[i]
         self.conf = render_conf(
-            run_dir, origin, f"{host.ip}:{ROUTER_PORTS[i]}", f"{host.ip}:{CACHE_PORTS[i]}",
+            run_dir, origin, ROUTER_PORTS[i], CACHE_PORTS[i],
             [f"{host.ip}:{p}" for p in CACHE_PORTS], slice_size="8m",
         )  # fmt: skip
         self.run_dir = run_dir
         self.url = f"http://{host.ip}:{self.port}"
         self.proc = subprocess.Popen(
-            ["ip", "netns", "exec", host.netns, NGINX, "-c", str(self.conf), "-p", str(run_dir),
-             "-g", "daemon off; user root;"],
-            stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+            ["ip", "netns", "exec", host.netns, *nginx_command(run_dir)],
+            cwd=run_dir, stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True,
         )  # fmt: skip
 
     def wait_listening(self) -> None:
         deadline = time.monotonic() + 15
-        while f"{self.host.ip}:{self.port} " not in _in(self.host, "ss", "-Hltn").stdout:
+        # The chart's configuration listens on every address of the namespace.
+        while f":{self.port} " not in _in(self.host, "ss", "-Hltn").stdout:
             assert self.proc.poll() is None, f"nginx exited with {self.proc.returncode}"
             assert time.monotonic() < deadline, "nginx did not start"
             time.sleep(0.1)
