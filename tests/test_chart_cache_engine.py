@@ -52,6 +52,7 @@ VARIANTS = {
     "one instance": {"replicas": 1},
     "five instances, other ports": {"replicas": 5, "ports": {"router": 9000, "cache": 9001}},
     "aws origin": {"origin": {"url": "https://s3.eu-west-1.amazonaws.com"}},
+    "its own namespace": {"namespace": "objfs-cache"},
     "registry, scheduling": {
         "image": {"registry": "mirror.example:5000/library", "tag": "1.27.4"},
         "nodeSelector": {"node.kubernetes.io/pool": "cache"},
@@ -74,7 +75,7 @@ def test_the_engine_renders_valid_objects_that_fit_together(variant: str) -> Non
     merged = cache_engine._chart().merge_values(values)["cacheEngine"]
     assert {kind for kind, _ in found} == {"ConfigMap", "Service", "StatefulSet", "NetworkPolicy"}
     for doc in found.values():
-        assert doc["metadata"]["namespace"] == "models-cache"
+        assert doc["metadata"]["namespace"] == (merged["namespace"] or "models-cache")
         for version in VERSIONS:
             kubernetes_validate.validate(doc, version, strict=True)
     statefulset = found[("StatefulSet", "objfs-cache")]
@@ -261,6 +262,7 @@ def test_the_start_script_fills_the_placeholders_and_nothing_else(
         ({"storage": {"size": "500GB"}}, "/cacheEngine/storage/size"),
         ({"clusterDomain": "Cluster Local"}, "/cacheEngine/clusterDomain"),
         ({"replica": 3}, "replica"),
+        ({"namespace": "Objfs_Cache"}, "/cacheEngine/namespace"),
     ],
 )
 def test_bad_engine_values_are_refused_by_the_schema(values: dict[str, Any], message: str) -> None:
@@ -277,3 +279,14 @@ def test_the_router_and_cache_ports_must_differ() -> None:
     with pytest.raises(HelmRenderError) as refused:
         cache_engine.render_chart(cache_engine.engine_values(ports={"router": 8080, "cache": 8080}))
     assert "cacheEngine.ports.router and cacheEngine.ports.cache must differ" in str(refused.value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_helm_lint_is_clean_with_the_engine(variant: str) -> None:
+    from helm_python import lint
+
+    values = cache_engine.engine_values(**VARIANTS[variant])
+    for kube_version in ("v1.29.0", "v1.37.0"):
+        report = lint(cache_engine.CHART, values, strict=True, kube_version=kube_version)
+        assert report["errors"] == [], report
+        assert [m for m in report["messages"] if m["severity"] >= 2] == [], report
