@@ -25,6 +25,7 @@ import socket
 import subprocess
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -47,7 +48,7 @@ from tests.conftest import (
 )
 from tests.helpers import cache_engine
 from tests.helpers.dns import DnsServer
-from tests.helpers.proxy import Proxy
+from tests.helpers.proxy import Answer, Proxy
 
 MiB = 1 << 20
 PART = "4M"  # the mounts' --part-size and the engine's slice size
@@ -288,7 +289,7 @@ class ClusterInstance:
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
         config_map = yaml.safe_load(rendered["objfs/templates/cache-engine/configmap.yaml"])
         self.ip, self.tmp = ip, tmp
-        tmp.mkdir()
+        tmp.mkdir(exist_ok=True)  # an instance restarted in its own folders
         template = tmp / "nginx.conf.template"
         template.write_text(cache_engine.listen_on(config_map["data"][template.name], ip))
         resolv = tmp / "resolv.conf"
@@ -301,7 +302,7 @@ class ClusterInstance:
             assert old in script, old
             script = script.replace(old, new)
         self.run_dir = tmp / "run"
-        self.run_dir.mkdir()
+        self.run_dir.mkdir(exist_ok=True)
         env.update(
             RUN_DIR=str(self.run_dir),
             CACHE_DIR=str(tmp / "slices"),
@@ -311,7 +312,7 @@ class ClusterInstance:
         self.ports = {p["name"]: int(p["containerPort"]) for p in container["ports"]}
         self.url = f"http://{ip}:{self.ports['router']}"
         self.log = tmp / "stdout.log"
-        with open(self.log, "wb") as out:
+        with open(self.log, "ab") as out:
             self.proc = subprocess.Popen(
                 ["/bin/sh", "-c", script], env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.PIPE, start_new_session=True,
@@ -407,10 +408,70 @@ def test_the_charts_engine_finds_its_peers_by_name_and_a_second_node_hits(
             assert "cache=MISS" in instance.access_log()
         for i in (0, 1, 2):
             assert dns.asked[f"objfs-cache-{i}.objfs-cache-peers.objfs.svc.cluster.local"] > 0
-        instances[0].kill()
+        instances[0].kill()  # SIGKILL: its sockets stay in its run folder
         c = node("c", instances[1])
         assert sha256((c.path / "model.bin").read_bytes()) == sha256(data)
         assert fresh_status(c.path)["cache_engine"]["bytes_via_engine"] == len(data)
+        # Restarted in its folders (a container restart keeps the emptyDir and the claim):
+        # it starts, and a node through it finds every slice in the engine.
+        restarted = ClusterInstance(rendered, ips[0], nameserver, tmp_path / "instance0")
+        stack.callback(restarted.kill)
+        sent = origin.stats.response_bytes
+        d = node("d", restarted)
+        assert sha256((d.path / "model.bin").read_bytes()) == sha256(data)
+        assert fresh_status(d.path)["cache_engine"]["bytes_via_engine"] == len(data)
+        assert origin.stats.response_bytes - sent < MiB
+
+
+def test_a_store_error_is_not_taken_for_a_dead_peer(
+    s3: Any, bucket: str, origin: Proxy, tmp_path: Path
+) -> None:
+    """The store answers 502 to data GETs: each slice is asked of it once (not once per
+    instance on the ring), objfs gets a 5xx, and once the store recovers the next GET is
+    served at once: no instance was marked failed."""
+    data = os.urandom(6 * MiB)
+    put_many(s3, bucket, {"m/e.bin": data})
+    router, cache = _free_port(), _free_port()
+    run_dir = tmp_path / "nginx"
+    # Two ring entries (two instances) whose cache servers are both this one.
+    render_conf(run_dir, f"127.0.0.1:{origin.port}", router, cache, [f"127.0.0.1:{cache}"] * 2)
+    proc = subprocess.Popen(
+        cache_engine.nginx_command(run_dir), cwd=run_dir, stdin=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL, start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 15
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", router), timeout=0.5).close()
+                break
+            except OSError:
+                assert proc.poll() is None, "nginx exited"
+                assert time.monotonic() < deadline, "nginx did not start"
+                time.sleep(0.05)
+        signed = s3.generate_presigned_url(
+            "get_object", Params={"Bucket": bucket, "Key": "m/e.bin"}, ExpiresIn=600
+        )
+        parts = urllib.parse.urlsplit(signed)
+        url = f"http://127.0.0.1:{router}{parts.path}?{parts.query}"
+
+        def data_get(request: Any) -> bool:
+            return request.headers.get("range", "bytes=0-0") != "bytes=0-0"
+
+        origin.answer(Answer(data_get, "502 Bad Gateway"))
+        origin.reset_stats()
+        for _ in range(4):
+            status, _body = _get(url, {"Range": "bytes=0-1048575"})
+            assert status == 500, status
+        asked = [r for r in origin.stats.requests if data_get(r)]
+        assert len(asked) == 4, [r.headers.get("range") for r in asked]
+        origin.answer(None)
+        status, body = _get(url, {"Range": "bytes=0-1048575"})
+        assert status == 206, status
+        assert body == data[: 1 << 20]
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=15)
 
 
 # -- through a real engine -----------------------------------------------------------------------

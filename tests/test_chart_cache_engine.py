@@ -63,6 +63,21 @@ VARIANTS = {
 }
 
 
+def test_a_null_client_selector_admits_every_namespace() -> None:
+    found = objects(cache_engine.engine_values(clientNamespaceSelector=None))
+    clients = found[("NetworkPolicy", "objfs-cache")]["spec"]["ingress"][0]
+    assert clients["from"][0]["namespaceSelector"] == {}
+
+
+def test_names_that_yaml_would_read_as_booleans_stay_strings() -> None:
+    found = objects(
+        cache_engine.engine_values(storage={"className": "on"}, priorityClassName="yes")
+    )
+    statefulset = found[("StatefulSet", "objfs-cache")]["spec"]
+    assert statefulset["volumeClaimTemplates"][0]["spec"]["storageClassName"] == "on"
+    assert statefulset["template"]["spec"]["priorityClassName"] == "yes"
+
+
 def test_disabled_by_default_renders_no_engine() -> None:
     assert objects({}) == {}
     assert objects({"cacheEngine": {"enabled": False}}) == {}
@@ -263,6 +278,15 @@ def test_the_start_script_fills_the_placeholders_and_nothing_else(
         ({"clusterDomain": "Cluster Local"}, "/cacheEngine/clusterDomain"),
         ({"replica": 3}, "replica"),
         ({"namespace": "Objfs_Cache"}, "/cacheEngine/namespace"),
+        ({"storage": {"className": "Local NVMe"}}, "/cacheEngine/storage/className"),
+        ({"image": {"registry": "reg/"}}, "/cacheEngine/image/registry"),
+        # Helm drops a key set to null: the schema asks for it back, instead of an image
+        # "nginx:", an empty ring or a peer name ending in ".svc.".
+        ({"image": {"tag": None}}, "tag"),
+        ({"replicas": None}, "replicas"),
+        ({"sliceSize": None}, "sliceSize"),
+        ({"clusterDomain": None}, "clusterDomain"),
+        ({"ports": {"router": None}}, "router"),
     ],
 )
 def test_bad_engine_values_are_refused_by_the_schema(values: dict[str, Any], message: str) -> None:
