@@ -492,12 +492,14 @@ def test_node_cache_sizes_the_schema_takes_objfs_takes(size: str) -> None:
     assert parse_size(size, option="--node-cache-size") > 0
 
 
-@pytest.mark.parametrize("size", ["lots", "G", "1e3G", "200 G", "-1G", "0.5G", "200", "12X"])
+@pytest.mark.parametrize(
+    "size", ["lots", "G", "1e3G", "200 G", "-1G", "0.5G", "200", "12X", "99999999T"]
+)
 def test_node_cache_sizes_the_schema_refuses(size: str) -> None:
     with pytest.raises(HelmValuesError, match="/nodeCache/size"):
         helm.render({"nodeCache": {"size": size}})
     # Stricter than objfs (a unit and a value from 1 are required), never looser.
-    if size in ("lots", "G", "1e3G", "-1G", "12X"):
+    if size in ("lots", "G", "1e3G", "-1G", "12X", "99999999T"):
         with pytest.raises(ObjfsError):
             parse_size(size, option="--node-cache-size")
 
