@@ -101,15 +101,7 @@ class Engine:
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", self.listen), timeout=0.5).close()
-                return
-            except OSError:
-                assert self.proc.poll() is None, self.proc.communicate()[1].decode()
-                assert time.monotonic() < deadline, "nginx did not start"
-                time.sleep(0.05)
+        cache_engine.wait_listening(self.proc, "127.0.0.1", self.listen)
 
     def kill(self) -> None:
         """SIGKILL to nginx's process group: the master and its workers (ours, by PID)."""
@@ -317,15 +309,7 @@ class ClusterInstance:
                 ["/bin/sh", "-c", script], env=env, stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.PIPE, start_new_session=True,
             )  # fmt: skip
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection((ip, self.ports["router"]), timeout=0.5).close()
-                return
-            except OSError:
-                assert self.proc.poll() is None, self.proc.communicate()[1].decode()
-                assert time.monotonic() < deadline, "nginx did not start"
-                time.sleep(0.05)
+        cache_engine.wait_listening(self.proc, ip, self.ports["router"])
 
     def access_log(self) -> str:
         return self.log.read_text()
@@ -440,15 +424,7 @@ def test_a_store_error_is_not_taken_for_a_dead_peer(
         stderr=subprocess.DEVNULL, start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 15
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", router), timeout=0.5).close()
-                break
-            except OSError:
-                assert proc.poll() is None, "nginx exited"
-                assert time.monotonic() < deadline, "nginx did not start"
-                time.sleep(0.05)
+        cache_engine.wait_listening(proc, "127.0.0.1", router)
         signed = s3.generate_presigned_url(
             "get_object", Params={"Bucket": bucket, "Key": "m/e.bin"}, ExpiresIn=600
         )

@@ -14,7 +14,9 @@ from __future__ import annotations
 import functools
 import re
 import shutil
+import socket
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -124,3 +126,19 @@ def check(run_dir: Path) -> subprocess.CompletedProcess[str]:
         timeout=60,
         check=False,
     )
+
+
+def wait_listening(proc: subprocess.Popen[bytes], host: str, port: int) -> None:
+    """Until nginx (``proc``) accepts connections on host:port; fails if it exits first (with
+    its stderr, when it is a pipe) or takes over 15 s."""
+    deadline = time.monotonic() + 15
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=0.5).close()
+            return
+        except OSError:
+            if proc.poll() is not None:
+                err = proc.communicate()[1] if proc.stderr is not None else b""
+                raise AssertionError(f"nginx exited: {(err or b'').decode()}") from None
+            assert time.monotonic() < deadline, "nginx did not start"
+            time.sleep(0.05)
