@@ -500,6 +500,10 @@ class BlockCache:
     def open_version(self, key: str, etag: str) -> None:
         self._open_versions[(key, etag)] += 1
 
+    def open_handles(self, key: str, etag: str) -> int:
+        """How many handles have the version open."""
+        return self._open_versions.get((key, etag), 0)
+
     def close_version(self, key: str, etag: str) -> None:
         """A handle closed; after the version's last one, its unread blocks go first."""
         version = (key, etag)

@@ -10,7 +10,11 @@
   until memory is released.
 * **Demand.** A reader that needs a block fetches it at once. If a queued job holds the
   block, the reader takes it (and its share of the reservation) out of the job instead of
-  waiting for a worker and a whole part.
+  waiting for a worker and a whole part. A reader alone on its file fetches that block
+  alone (the least wait); while several handles have the version open (tensor-parallel
+  ranks faulting one file at different offsets), it fetches the rest of the block's part
+  with it, up to the first block cached or in flight: the others' read-ahead would otherwise
+  fetch the part around it in pieces, one GET each.
 * **One fetch per block.** A fetch reserves memory, then claims its blocks; readers of a
   claimed block wait for it. Order: reserve (may wait), claim, then take a connection, so a
   claim is never held while waiting for memory and readers cannot deadlock on read-ahead.
@@ -306,11 +310,23 @@ class Fetcher:
             if self.cache.contains(key):
                 return
             # The fetch failed, was cancelled or its block was evicted already: fetch it here.
-        await self.fetch_blocks(handle, index, index + 1, demand=True)
+        await self.fetch_blocks(handle, index, self._demand_stop(handle, index), demand=True)
         if not self.cache.contains(key):  # claimed by another reader meanwhile: wait once more
             event = self.cache.pending(key)
             if event is not None:
                 await event.wait()
+
+    def _demand_stop(self, handle: Handle, index: int) -> int:
+        """Where a reader's own fetch from block ``index`` ends: the next block, or, while
+        other handles read the version too, the end of the part or the first block there
+        that is cached or in flight, whichever comes first."""
+        if self.cache.open_handles(handle.key, handle.etag) < 2:
+            return index + 1
+        part_end = min((index // self.part_blocks + 1) * self.part_blocks, self.block_count(handle))
+        stop = index + 1
+        while stop < part_end and not self.cache.is_cached_or_pending(self.key(handle, stop)):
+            stop += 1
+        return stop
 
     # -- fetching --------------------------------------------------------------------------
 

@@ -502,3 +502,37 @@ async def test_a_stream_outlives_the_handle_that_grew_it(
     # 12 parts of 4 MiB, and the blocks of fetches the close cut off (18 GETs in 4 of 4
     # runs; 27 when the closed handle's cancelled read-ahead was not asked for again).
     assert stats["get"] <= 20, stats
+
+
+async def test_a_demand_fetch_takes_the_rest_of_its_part_only_while_others_read_the_file(
+    nursery: trio.Nursery,
+) -> None:
+    """A reader alone fetches the block it needs alone; with a second handle open on the
+    version (tensor-parallel ranks), its fetch runs on to the end of the block's part, or to
+    the first block there already cached or in flight, in one GET."""
+    backend = MemoryBackend()
+    data = os.urandom(16 * MiB)
+    backend.put("p/f.bin", data)
+    fs = FileSystem(backend, config())  # 1 MiB blocks, 4 MiB parts
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    handle = fs._handle(fh)
+    await fs.fetcher.demand(handle, 1)  # alone: block 1 only
+    assert backend.statistics()["get"] == 1
+    assert backend.statistics()["get_bytes"] == MiB
+    other = await open_file(fs, "f.bin")
+    await fs.fetcher.demand(handle, 5)  # blocks 5-7: the rest of part 1, one GET
+    assert backend.statistics()["get"] == 2
+    assert backend.statistics()["get_bytes"] == 4 * MiB
+    await fs.fetcher.demand(fs._handle(other), 0)  # block 0 only: block 1 is cached
+    assert backend.statistics()["get"] == 3
+    assert backend.statistics()["get_bytes"] == 5 * MiB
+    for index in (0, 1, 5, 6, 7):
+        key = fs.fetcher.key(handle, index)
+        assert fs.cache.contains(key)
+        block = fs.cache.peek(key)
+        assert block is not None
+        assert bytes(block.view) == data[index * MiB : (index + 1) * MiB]
+    assert not fs.cache.contains(fs.fetcher.key(handle, 2))
+    for index in (8, 12):  # the last part stops at the file's end
+        assert fs.fetcher._demand_stop(handle, index) == min(index // 4 * 4 + 4, 16)
