@@ -376,7 +376,7 @@ class BlockCache:
         self._cached_bytes = 0
         self._held_bytes = 0  # evicted blocks still pinned (being written to disk)
         self._inflight: dict[BlockKey, trio.Event] = {}
-        self._open_versions: Counter[tuple[str, str]] = Counter()
+        self.open_versions: Counter[tuple[str, str]] = Counter()  # handles per version
         self._space = trio.Event()  # set (and replaced) whenever bytes are released
         # Called whenever memory may have become available (set by the read-ahead queue).
         self.on_space: Callable[[], None] | None = None
@@ -498,19 +498,15 @@ class BlockCache:
     # -- versions and their handles --------------------------------------------------------
 
     def open_version(self, key: str, etag: str) -> None:
-        self._open_versions[(key, etag)] += 1
-
-    def open_handles(self, key: str, etag: str) -> int:
-        """How many handles have the version open."""
-        return self._open_versions.get((key, etag), 0)
+        self.open_versions[(key, etag)] += 1
 
     def close_version(self, key: str, etag: str) -> None:
         """A handle closed; after the version's last one, its unread blocks go first."""
         version = (key, etag)
-        self._open_versions[version] -= 1
-        if self._open_versions[version] > 0:
+        self.open_versions[version] -= 1
+        if self.open_versions[version] > 0:
             return
-        del self._open_versions[version]
+        del self.open_versions[version]
         orphans = [k for k in self._fresh if (k.key, k.etag) == version]
         for k in orphans:
             self._orphans[k] = self._fresh.pop(k)
@@ -561,7 +557,7 @@ class BlockCache:
         self._remove(key)
         self._cached_bytes += len(block)
         block.cached = True
-        if (key.key, key.etag) in self._open_versions:
+        if (key.key, key.etag) in self.open_versions:
             self._fresh[key] = block
         else:  # its handles closed while it was on its way: nobody is waiting for it
             self._orphans[key] = block

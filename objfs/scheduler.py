@@ -13,8 +13,9 @@
   waiting for a worker and a whole part. A reader alone on its file fetches that block
   alone (the least wait); while several handles have the version open (tensor-parallel
   ranks faulting one file at different offsets), it fetches the rest of the block's part
-  with it, up to the first block cached or in flight: the others' read-ahead would otherwise
-  fetch the part around it in pieces, one GET each.
+  with it, up to the first block cached or in flight, if the memory can be had at once
+  within the budget: the others' read-ahead would otherwise fetch the part around it in
+  pieces, one GET each.
 * **One fetch per block.** A fetch reserves memory, then claims its blocks; readers of a
   claimed block wait for it. Order: reserve (may wait), claim, then take a connection, so a
   claim is never held while waiting for memory and readers cannot deadlock on read-ahead.
@@ -310,23 +311,34 @@ class Fetcher:
             if self.cache.contains(key):
                 return
             # The fetch failed, was cancelled or its block was evicted already: fetch it here.
-        await self.fetch_blocks(handle, index, self._demand_stop(handle, index), demand=True)
+        claim = self._claim_part(handle, index)
+        if claim is not None:
+            await self._fetch(handle, demand=True, claim=claim)
+        else:
+            await self.fetch_blocks(handle, index, index + 1, demand=True)
         if not self.cache.contains(key):  # claimed by another reader meanwhile: wait once more
             event = self.cache.pending(key)
             if event is not None:
                 await event.wait()
 
-    def _demand_stop(self, handle: Handle, index: int) -> int:
-        """Where a reader's own fetch from block ``index`` ends: the next block, or, while
-        other handles read the version too, the end of the part or the first block there
-        that is cached or in flight, whichever comes first."""
-        if self.cache.open_handles(handle.key, handle.etag) < 2:
-            return index + 1
+    def _claim_part(self, handle: Handle, index: int) -> Claim | None:
+        """While other handles read the version too: a claim of block ``index`` and the rest
+        of its part, up to the first block cached or in flight, if memory for all of them can
+        be had now as a reader's own fetch has it (evicting read-ahead furthest from its
+        reader first), never waiting and never over the budget (as a demand that cannot fit
+        may go); None otherwise, and for a reader alone (it fetches one block)."""
+        if self.cache.open_versions[handle.key, handle.etag] < 2:
+            return None
         part_end = min((index // self.part_blocks + 1) * self.part_blocks, self.block_count(handle))
         stop = index + 1
         while stop < part_end and not self.cache.is_cached_or_pending(self.key(handle, stop)):
             stop += 1
-        return stop
+        if stop == index + 1:
+            return None
+        indexes = list(range(index, stop))
+        total = sum(self.length(handle, i) for i in indexes)
+        reservation = self.cache.try_reserve(total, demand=True)
+        return None if reservation is None else self._claim_reserved(handle, indexes, reservation)
 
     # -- fetching --------------------------------------------------------------------------
 

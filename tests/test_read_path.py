@@ -534,5 +534,8 @@ async def test_a_demand_fetch_takes_the_rest_of_its_part_only_while_others_read_
         assert block is not None
         assert bytes(block.view) == data[index * MiB : (index + 1) * MiB]
     assert not fs.cache.contains(fs.fetcher.key(handle, 2))
-    for index in (8, 12):  # the last part stops at the file's end
-        assert fs.fetcher._demand_stop(handle, index) == min(index // 4 * 4 + 4, 16)
+    claim = fs.fetcher._claim_part(handle, 14)  # the last part stops at the file's end
+    assert claim is not None
+    assert [k.block for k in claim.keys] == [14, 15]
+    fs.cache.finish(claim.keys)
+    claim.reservation.release()
