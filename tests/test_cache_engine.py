@@ -275,11 +275,11 @@ class ClusterInstance:
     def __init__(self, rendered: dict[str, str], ip: str, nameserver: str, tmp: Path) -> None:
         import yaml
 
-        docs = yaml.safe_load(rendered["objfs/templates/cache-engine/statefulset.yaml"])
+        docs = yaml.safe_load(rendered["templates/cache-engine/statefulset.yaml"])
         (container,) = docs["spec"]["template"]["spec"]["containers"]
         (script,) = container["args"]
         env = {e["name"]: e["value"] for e in container["env"] if "value" in e}
-        config_map = yaml.safe_load(rendered["objfs/templates/cache-engine/configmap.yaml"])
+        config_map = yaml.safe_load(rendered["templates/cache-engine/configmap.yaml"])
         self.ip, self.tmp = ip, tmp
         tmp.mkdir(exist_ok=True)  # an instance restarted in its own folders
         template = tmp / "nginx.conf.template"

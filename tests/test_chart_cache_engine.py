@@ -20,10 +20,10 @@ import yaml
 
 from objfs.config import MountConfig
 from objfs.options import build_parser, mount_config
-from tests.helpers import cache_engine
+from tests.helpers import cache_engine, chart
 from tests.test_k8s_manifests import VERSIONS, nginx_size, restricted_violations
 
-CE = "objfs/templates/cache-engine/"
+CE = "templates/cache-engine/"
 
 
 def objects(values: dict[str, Any], namespace: str = "objfs") -> dict[tuple[str, str], Any]:
@@ -87,7 +87,7 @@ def test_disabled_by_default_renders_no_engine() -> None:
 def test_the_engine_renders_valid_objects_that_fit_together(variant: str) -> None:
     values = cache_engine.engine_values(**VARIANTS[variant])
     found = objects(values, namespace="models-cache")
-    merged = cache_engine._chart().merge_values(values)["cacheEngine"]
+    merged = cache_engine.merged_engine_values(values)
     assert {kind for kind, _ in found} == {"ConfigMap", "Service", "StatefulSet", "NetworkPolicy"}
     for doc in found.values():
         assert doc["metadata"]["namespace"] == (merged["namespace"] or "models-cache")
@@ -154,7 +154,7 @@ def test_a_changed_configuration_changes_the_checksum() -> None:
 
 
 def test_the_default_slice_is_objfs_part_size() -> None:
-    merged = cache_engine._chart().merge_values(cache_engine.engine_values())["cacheEngine"]
+    merged = cache_engine.merged_engine_values(cache_engine.engine_values())
     slice_size = nginx_size(merged["sliceSize"])
     assert slice_size == MountConfig.part_size_bytes
     args = build_parser().parse_args(["mount", "s3://bucket/prefix", "/mnt"])
@@ -167,7 +167,7 @@ def test_the_storage_cap_stays_below_the_claim() -> None:
     (claim,) = found[("StatefulSet", "objfs-cache")]["spec"]["volumeClaimTemplates"]
     size = claim["spec"]["resources"]["requests"]["storage"]
     capacity = int(size[:-2]) << {"Gi": 30, "Ti": 40}[size[-2:]]
-    merged = cache_engine._chart().merge_values(cache_engine.engine_values())["cacheEngine"]
+    merged = cache_engine.merged_engine_values(cache_engine.engine_values())
     assert nginx_size(merged["cacheMaxSize"]) <= 0.9 * capacity
     mounts = {m["name"]: m["mountPath"] for m in container(found)["volumeMounts"]}
     env = {e["name"]: e.get("value") for e in container(found)["env"]}
@@ -311,6 +311,6 @@ def test_helm_lint_is_clean_with_the_engine(variant: str) -> None:
 
     values = cache_engine.engine_values(**VARIANTS[variant])
     for kube_version in ("v1.29.0", "v1.37.0"):
-        report = lint(cache_engine.CHART, values, strict=True, kube_version=kube_version)
+        report = lint(chart.CHART_DIR, values, strict=True, kube_version=kube_version)
         assert report["errors"] == [], report
         assert [m for m in report["messages"] if m["severity"] >= 2] == [], report

@@ -11,7 +11,6 @@ where instances share ports on loopback, the address each listens on.
 
 from __future__ import annotations
 
-import functools
 import re
 import shutil
 import socket
@@ -20,25 +19,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "k8s" / "charts" / "objfs"
+import yaml
+
+from tests.helpers import chart
+
 NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
 PEER_LINE = re.compile(r"^(\s*set \$objfs_peer )(\S+);$", re.M)
 # The start script's envsubst list (statefulset.yaml).
 PLACEHOLDERS = ("RESOLVER", "POD_NAMESPACE", "CACHE_DIR")
 
 
-@functools.cache
-def _chart() -> Any:
-    from helm_python import Chart
-
-    return Chart.load(CHART)
-
-
 def render_chart(values: dict[str, Any], namespace: str = "objfs") -> dict[str, str]:
-    """Every template of the chart rendered with ``values`` (Helm's engine, release objfs)."""
-    rendered: dict[str, str] = _chart().render(values, name="objfs", namespace=namespace)
-    return rendered
+    """Every template of the chart rendered with ``values`` (:func:`chart.render`), by its
+    path in the chart; the engine's namespace by default."""
+    return chart.render(values, namespace=namespace)
+
+
+def merged_engine_values(values: dict[str, Any]) -> dict[str, Any]:
+    """``cacheEngine`` of the chart's defaults with ``values`` over them."""
+    merged: dict[str, Any] = chart.chart().merge_values(values)["cacheEngine"]
+    return merged
 
 
 def engine_values(**cache_engine: Any) -> dict[str, Any]:
@@ -47,10 +47,8 @@ def engine_values(**cache_engine: Any) -> dict[str, Any]:
 
 def rendered_template(values: dict[str, Any] | None = None, namespace: str = "objfs") -> str:
     """The ConfigMap's nginx.conf.template: the configuration with its placeholders."""
-    import yaml
-
     rendered = render_chart(values or engine_values(), namespace)
-    text = rendered["objfs/templates/cache-engine/configmap.yaml"]
+    text = rendered["templates/cache-engine/configmap.yaml"]
     doc = yaml.safe_load(text)
     return str(doc["data"]["nginx.conf.template"])
 

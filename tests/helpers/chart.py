@@ -159,6 +159,15 @@ def generated(group: Group) -> dict[Path, str]:
     return files
 
 
+def stale(group: Group, expected: Mapping[Path, str]) -> list[Path]:
+    """The group's generated files that no template produces (removed or renamed since)."""
+    return [
+        path
+        for path in sorted(group.target.glob("*.yaml"))
+        if path not in expected and path.read_text().startswith(GENERATED_MARK)
+    ]
+
+
 def check(groups: Iterable[Group] = GROUPS.values()) -> list[str]:
     """One line for each generated file that is missing or differs from a fresh render."""
     problems = []
@@ -170,11 +179,9 @@ def check(groups: Iterable[Group] = GROUPS.values()) -> list[str]:
                 problems.append(f"{where} is missing")
             elif path.read_text() != text:
                 problems.append(f"{where} differs from the chart's render")
-        # A file generated from a template since removed or renamed.
-        for path in sorted(group.target.glob("*.yaml")):
-            if path not in expected and path.read_text().startswith(GENERATED_MARK):
-                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
-                problems.append(f"{where} comes from no template of the chart")
+        for path in stale(group, expected):
+            where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path
+            problems.append(f"{where} comes from no template of the chart")
     return problems
 
 
@@ -187,10 +194,9 @@ def write(groups: Iterable[Group] = GROUPS.values()) -> list[Path]:
             if not path.exists() or path.read_text() != text:
                 path.write_text(text)
                 changed.append(path)
-        for path in sorted(group.target.glob("*.yaml")):  # from a template since removed
-            if path not in expected and path.read_text().startswith(GENERATED_MARK):
-                path.unlink()
-                changed.append(path)
+        for path in stale(group, expected):
+            path.unlink()
+            changed.append(path)
     return changed
 
 
