@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import gc
 import glob
 import logging
 import mmap
@@ -20,7 +21,7 @@ import subprocess
 import sys
 import textwrap
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,14 +46,32 @@ def block(key: str, index: int, length: int = BS) -> bytes:
     return random.Random(f"{key}/{index}").randbytes(length)
 
 
+@pytest.fixture(autouse=True)
+def _collection_back_on() -> Iterator[None]:
+    """Earlier tests' garbage collected first (their caches' descriptors closed), so that
+    neither a count of calls nor a count of open descriptors takes it for this test's."""
+    gc.collect()
+    yield
+    gc.enable()
+
+
 def count_calls(monkeypatch: pytest.MonkeyPatch, *names: str) -> dict[str, int]:
-    """Count calls of ``os.<name>`` from now on."""
+    """Count calls of ``os.<name>`` made by this thread from now on.
+
+    Garbage collection is off until the test ends (after one full collection): a cycle
+    of an earlier test's objects collected mid-count closes its descriptors through
+    ``os.close`` (CI counted 30 such closes once), and other threads' calls are not
+    the code under test's either."""
+    gc.collect()
+    gc.disable()  # enabled again by ``_collection_back_on``
     counts = dict.fromkeys(names, 0)
+    me = threading.get_ident()
     for name in names:
         real = getattr(os, name)
 
         def counting(*args: Any, _real: Callable[..., Any] = real, _name: str = name) -> Any:
-            counts[_name] += 1
+            if threading.get_ident() == me:
+                counts[_name] += 1
             return _real(*args)
 
         monkeypatch.setattr(os, name, counting)
