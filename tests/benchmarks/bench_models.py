@@ -961,7 +961,9 @@ def memory_pass(b: Bench, url: str, only: list[str]) -> None:
     (virtio-balloon), memory the guest freed goes back to the host about 2 s later, and the
     first write to it faults in the host; in a FUSE mount that first write is the daemon's
     reply copy. The pass measures that cost in this run, for a file system that does nothing
-    else (the binding ceiling) and for objfs."""
+    else (the binding ceiling) and for objfs; and objfs's cold load from the store (a fresh
+    mount, an empty ``--cache-dir``: the main pass's cold load) in both states, so that the
+    daemon's own CPU per GB is seen apart from the host's faults."""
     mnt, cache = b.fresh("objfs-memory")
     bmnt, _ = b.fresh("binding-memory")
     child_env = env.binding_ceiling_env()
@@ -982,6 +984,23 @@ def memory_pass(b: Bench, url: str, only: list[str]) -> None:
             elapsed = t_cat([root / s for s in env.SHARDS])
             return {"cold_cat": elapsed, "daemon_cpu_per_gb_cat": (m.cpu_s() - cpu) / gb}
 
+        def cold_job(state: str) -> Callable[[], dict[str, float]]:
+            def run() -> dict[str, float]:
+                cmnt, ccache = b.fresh("objfs-memory-cold")
+                try:
+                    with _objfs_mount(b, url, env.MODEL_BUCKET, cmnt, ccache) as m:
+                        shards = [cmnt / s for s in env.SHARDS]
+                        env.settle_page_cache(
+                            b.page_cache, 2 * b.model_bytes if state == "backed" else 0
+                        )
+                        out: dict[str, float] = {}
+                        load_with_cpu(b, m, shards, "cold", out, {})
+                        return out
+                finally:
+                    _rmtree(ccache)
+
+            return run
+
         def objfs_job(state: str) -> Callable[[], dict[str, float]]:
             def run() -> dict[str, float]:
                 with _objfs_mount(b, url, env.MODEL_BUCKET, mnt, cache) as m:
@@ -995,6 +1014,7 @@ def memory_pass(b: Bench, url: str, only: list[str]) -> None:
             for state in MEMORY_STATES:
                 jobs[f"{BINDING} | {state}"] = functools.partial(cat, bm, bmnt, state)
                 jobs[f"objfs remount | {state}"] = objfs_job(state)
+                jobs[f"objfs cold load | {state}"] = cold_job(state)
             run_rounds(b, "memory", {k: v for k, v in jobs.items() if _wanted(k, only)})
     finally:
         _rmtree(cache)
@@ -1351,9 +1371,15 @@ def summarize(r: Results, meta: dict[str, Any]) -> dict[str, Any]:
             "s",
         ),
         Target(
-            "daemon CPU during the cold load <= 1.2 CPU s per GB",
+            "daemon CPU during the cold load <= 0.9 CPU s per GB",
             r.median("s3", "objfs", "daemon_cpu_per_gb_cold"),
-            1.2,
+            0.9,
+            "CPU s/GB",
+        ),
+        Target(
+            "the same, the page cache's new memory still backed (memory pass) <= 0.9",
+            r.median("memory", "objfs cold load | backed", "daemon_cpu_per_gb_cold"),
+            0.9,
             "CPU s/GB",
         ),
         Target(
@@ -1680,10 +1706,11 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
     if r.cells.get("memory"):
         add("")
         add(
-            "| cold `cat` of the shards: the page cache's new memory | binding ceiling s "
-            "| daemon CPU s/GB | objfs remount s | daemon CPU s/GB |"
+            "| the page cache's new memory | cold `cat`: binding ceiling s | daemon CPU s/GB "
+            "| cold `cat`: objfs remount s | daemon CPU s/GB "
+            "| objfs cold load (store, --cache-dir) s | daemon CPU s/GB |"
         )
-        add("|---|---:|---:|---:|---:|")
+        add("|---|---:|---:|---:|---:|---:|---:|")
         for state, text in MEMORY_STATES.items():
             cells = []
             for who in (BINDING, "objfs remount"):
@@ -1692,6 +1719,11 @@ def render(r: Results, s: dict[str, Any], meta: dict[str, Any]) -> str:
                     _cell(r, "memory", name, "cold_cat"),
                     _cell(r, "memory", name, "daemon_cpu_per_gb_cat"),
                 ]
+            name = f"objfs cold load | {state}"
+            cells += [
+                _cell(r, "memory", name, "cold_load"),
+                _cell(r, "memory", name, "daemon_cpu_per_gb_cold"),
+            ]
             add(_row(f"{state}: {text}", *cells))
     if r.cells.get("azure"):
         add("")

@@ -6,8 +6,10 @@ A development tool, not part of ``make bench``::
 
 Starts s3rver (data on /dev/shm), uploads the bench model, then runs: a cold load (fresh
 mount, empty caches, page cache dropped), a warm reload, and a remount load (disk cache kept,
-page cache dropped). For each it prints the wall time, the daemon's CPU seconds per GB split
-by thread name (from /proc/PID/task/*/stat), and its peak RSS; then the machine's CPU
+page cache dropped). For each it prints the wall time, the daemon's CPU seconds per GB (the
+process's, as ``make bench`` counts them), split by thread (from /proc/PID/task/*/stat: the
+threads alive at the end; those that ended meanwhile are only in the total), and its peak
+RSS; then the machine's CPU
 seconds meanwhile, split into s3rver, the loader (this process), the daemon and the rest
 (the kernel's own threads: softirqs, writeback, ...). ``--py-spy`` records the
 daemon during the cold load (raw collapsed stacks, for flame graphs or grep).
@@ -257,7 +259,7 @@ def main() -> None:
                                 stderr=subprocess.DEVNULL,
                             )
                             time.sleep(1.0)
-                        before = thread_cpu(m.pid)
+                        before, proc0 = thread_cpu(m.pid), env.process_cpu(m.pid)
                         who0 = (
                             env.process_cpu(server.pid),
                             env.process_cpu(os.getpid()),
@@ -270,7 +272,7 @@ def main() -> None:
                             env.settle_page_cache(
                                 cache, 2 * nbytes if args.first_touch == "backed" else 0
                             )
-                            before = thread_cpu(m.pid)
+                            before, proc0 = thread_cpu(m.pid), env.process_cpu(m.pid)
                             who0 = (
                                 env.process_cpu(server.pid),
                                 env.process_cpu(os.getpid()),
@@ -288,7 +290,7 @@ def main() -> None:
                                 elapsed = t_load(files)
                         if args.timeline and measure != "warm":
                             print(timeline.table(), flush=True)
-                        after = thread_cpu(m.pid)
+                        after, proc1 = thread_cpu(m.pid), env.process_cpu(m.pid)
                         who1 = (
                             env.process_cpu(server.pid),
                             env.process_cpu(os.getpid()),
@@ -302,7 +304,10 @@ def main() -> None:
                         used = after - before
                         per_thread = {k: v for k, v in used.items() if k.startswith("tid ")}
                         used = Counter({k: v for k, v in used.items() if k not in per_thread})
-                        total = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
+                        # The daemon's CPU: the process's (every thread's, those that ended
+                        # meanwhile too); the live threads' share is in the brackets.
+                        live = sum(v for k, v in used.items() if not k.endswith("ctxsw"))
+                        total = proc1 - proc0
                         gb = nbytes / 1e9
                         top = ", ".join(
                             f"{k} {v / gb:.0f}" if k.endswith("ctxsw") else f"{k} {v / gb:.2f}"
@@ -310,6 +315,7 @@ def main() -> None:
                         )
                         # The busiest thread bounds one mount's throughput where cores are many.
                         top += f", busiest thread {max(per_thread.values(), default=0) / gb:.2f}"
+                        top += f", threads alive at the end {live / gb:.2f}"
                         s3rver, loader = (b - a for a, b in zip(who0[:2], who1[:2], strict=True))
                         machine, steal = (b - a for a, b in zip(who0[2], who1[2], strict=True))
                         usage = (

@@ -6,7 +6,9 @@ page-aligned offsets from 4 threads, and 128 KiB and 1 MiB sequential reads from
 threads (each thread its own quarter of the file). For each workload and transport (objfs's
 own ``kernel`` and ``pyfuse3``, one mount each, alternating run by run): READs per second and
 the daemon's CPU per READ (user + system of the mount's process over the workload, divided by
-the READs). Medians of ``--runs``; results in ``.bench/read_cost.json`` and a table.
+the READs), and the CPUs the whole machine kept busy meanwhile (``/proc/stat``: where they are
+all busy, more readers of ``/dev/fuse`` cannot raise READs/s, only a cheaper READ can). Medians
+of ``--runs``; results in ``.bench/read_cost.json`` and a table.
 
 ``--threads 1,4,16`` changes the thread counts of the rows that have several (for a machine
 with more cores).
@@ -97,10 +99,18 @@ def cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
+def machine_busy_s() -> float:
+    """CPU seconds the whole machine has spent busy (user, nice, system, irq, softirq)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
+
+
 def measure(
     store_url: str, work: Path, transport: str, rows: list[tuple[str, int, int, bool]], secs: float
-) -> dict[str, tuple[float, float]]:
-    """{row: (READs per second, daemon CPU microseconds per READ)} for one mount."""
+) -> dict[str, tuple[float, float, float]]:
+    """{row: (READs per second, daemon CPU microseconds per READ, machine CPUs busy)} for
+    one mount."""
     mnt = work / f"mnt-{transport}"
     cmd = env.objfs_cmd(
         f"s3://{BUCKET}",
@@ -109,7 +119,7 @@ def measure(
         work / f"objfs-{transport}.log",
         ["--endpoint-url", store_url, "--fuse-transport", transport, "--memory-limit", "512M"],
     )
-    out: dict[str, tuple[float, float]] = {}
+    out: dict[str, tuple[float, float, float]] = {}
     with env.mounted(f"objfs ({transport})", cmd, mnt, work / f"mount-{transport}.log") as m:
         path = mnt / "data.bin"
         with open(path, "rb") as f:  # the whole file into objfs's memory cache
@@ -118,12 +128,12 @@ def measure(
         proc = psutil.Process(m.proc.pid)
         run_workload(path, 4 * KiB, 1, True, 0.3)  # warm up the handles and the threads
         for name, size, threads, rand in rows:
-            before = cpu_s(proc)
+            before, busy = cpu_s(proc), machine_busy_s()
             started = time.perf_counter()
             count = run_workload(path, size, threads, rand, secs)
             elapsed = time.perf_counter() - started
-            used = cpu_s(proc) - before
-            out[name] = (count / elapsed, used / count * 1e6)
+            used, busy = cpu_s(proc) - before, machine_busy_s() - busy
+            out[name] = (count / elapsed, used / count * 1e6, busy / elapsed)
     return out
 
 
@@ -137,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     threads = [int(n) for n in args.threads.split(",") if n.strip()]
     rows = workloads(threads)
     env.setup_process_env()
-    results: dict[str, dict[str, list[tuple[float, float]]]] = {t: {} for t in TRANSPORTS}
+    results: dict[str, dict[str, list[tuple[float, float, float]]]] = {t: {} for t in TRANSPORTS}
     with tempfile.TemporaryDirectory(prefix="objfs-read-cost-") as tmp:
         work = Path(tmp)
         store = env.start_s3rver(work / "s3rver.log")
@@ -156,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             store.stop()
     medians = {
         t: {
-            name: (
-                statistics.median(v[0] for v in values),
-                statistics.median(v[1] for v in values),
-            )
+            name: tuple(statistics.median(v[i] for v in values) for i in range(3))
             for name, values in by_row.items()
         }
         for t, by_row in results.items()
@@ -167,13 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"runs": results, "medians": medians}, indent=1))
     print(f"READ cost from memory ({os.cpu_count()} CPUs, medians of {args.runs} runs)")
-    print("| request | kernel READs/s | kernel us/READ | pyfuse3 READs/s | pyfuse3 us/READ "
-          "| kernel/pyfuse3 READs/s |")  # fmt: skip
-    print("|---|---|---|---|---|---|")
+    print("| request | kernel READs/s | kernel us/READ | kernel: CPUs busy | pyfuse3 READs/s "
+          "| pyfuse3 us/READ | kernel/pyfuse3 READs/s |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|")
     for name, *_ in rows:
         k, y = medians["kernel"][name], medians["pyfuse3"][name]
-        print(f"| {name} | {k[0]:,.0f} | {k[1]:.0f} | {y[0]:,.0f} | {y[1]:.0f} | "
-              f"{k[0] / y[0]:.2f}x |")  # fmt: skip
+        print(f"| {name} | {k[0]:,.0f} | {k[1]:.0f} | {k[2]:.2f} of {os.cpu_count()} "
+              f"| {y[0]:,.0f} | {y[1]:.0f} | {k[0] / y[0]:.2f}x |")  # fmt: skip
     return 0
 
 
