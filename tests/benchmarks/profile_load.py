@@ -8,7 +8,7 @@ Starts s3rver (data on /dev/shm), uploads the bench model, then runs: a cold loa
 mount, empty caches, page cache dropped), a warm reload, and a remount load (disk cache kept,
 page cache dropped). For each it prints the wall time, the daemon's CPU seconds per GB (the
 process's, as ``make bench`` counts them), split by thread (from /proc/PID/task/*/stat: the
-threads alive at the end; those that ended meanwhile are only in the total), and its peak
+threads alive at the end: those that ended meanwhile count in the total only), and its peak
 RSS; then the machine's CPU
 seconds meanwhile, split into s3rver, the loader (this process), the daemon and the rest
 (the kernel's own threads: softirqs, writeback, ...). ``--py-spy`` records the
