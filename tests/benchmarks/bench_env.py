@@ -314,6 +314,15 @@ def settle_page_cache(cache: PageCache, backed_bytes: int) -> None:
     touch_and_free(backed_bytes)
 
 
+def machine_cpu() -> tuple[float, float]:
+    """CPU seconds the whole machine spent busy (/proc/stat's cpu line: user, nice, system,
+    irq, softirq), and those stolen by the hypervisor (steal: the host ran something else)."""
+    with open("/proc/stat") as f:
+        v = [int(x) for x in f.readline().split()[1:]]
+    clk = os.sysconf("SC_CLK_TCK")
+    return (v[0] + v[1] + v[2] + v[5] + v[6]) / clk, v[7] / clk
+
+
 def process_cpu(pid: int) -> float:
     """CPU seconds (user + system, all threads) of process ``pid``, its reaped children
     excluded."""

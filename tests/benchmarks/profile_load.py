@@ -73,14 +73,6 @@ def thread_cpu(pid: int) -> Counter[str]:
     return out
 
 
-def machine_cpu() -> tuple[float, float]:
-    """CPU seconds the whole machine spent busy (/proc/stat's cpu line: user, nice, system,
-    irq, softirq), and those stolen by the hypervisor (steal: the host ran something else)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / CLK, v[7] / CLK
-
-
 class Timeline:
     """Samples s3rver's CPU and bytes sent and the daemon's CPU every ``step`` seconds while
     running, and the machine's busy CPU; ``table()`` sums them per ``bucket`` seconds: busy
@@ -102,7 +94,7 @@ class Timeline:
                 env.process_cpu(self.server.pid),
                 self.server.bytes_sent(),
                 sum(thread_cpu(self.daemon).values()),
-                machine_cpu()[0],
+                env.machine_cpu()[0],
             )
         )
 
@@ -263,7 +255,7 @@ def main() -> None:
                         who0 = (
                             env.process_cpu(server.pid),
                             env.process_cpu(os.getpid()),
-                            machine_cpu(),
+                            env.machine_cpu(),
                         )
                         reported0 = env.host_reported_mib()
                         sent0 = server.bytes_sent()
@@ -276,7 +268,7 @@ def main() -> None:
                             who0 = (
                                 env.process_cpu(server.pid),
                                 env.process_cpu(os.getpid()),
-                                machine_cpu(),
+                                env.machine_cpu(),
                             )
                             reported0 = env.host_reported_mib()
                         with timeline if args.timeline else contextlib.nullcontext():
@@ -294,7 +286,7 @@ def main() -> None:
                         who1 = (
                             env.process_cpu(server.pid),
                             env.process_cpu(os.getpid()),
-                            machine_cpu(),
+                            env.machine_cpu(),
                         )
                         reported1 = env.host_reported_mib()
                         sent = server.bytes_sent() - sent0

@@ -99,13 +99,6 @@ def cpu_s(proc: psutil.Process) -> float:
     return float(times.user + times.system)
 
 
-def machine_busy_s() -> float:
-    """CPU seconds the whole machine has spent busy (user, nice, system, irq, softirq)."""
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6]) / os.sysconf("SC_CLK_TCK")
-
-
 def measure(
     store_url: str, work: Path, transport: str, rows: list[tuple[str, int, int, bool]], secs: float
 ) -> dict[str, tuple[float, float, float]]:
@@ -128,11 +121,11 @@ def measure(
         proc = psutil.Process(m.proc.pid)
         run_workload(path, 4 * KiB, 1, True, 0.3)  # warm up the handles and the threads
         for name, size, threads, rand in rows:
-            before, busy = cpu_s(proc), machine_busy_s()
+            before, busy = cpu_s(proc), env.machine_cpu()[0]
             started = time.perf_counter()
             count = run_workload(path, size, threads, rand, secs)
             elapsed = time.perf_counter() - started
-            used, busy = cpu_s(proc) - before, machine_busy_s() - busy
+            used, busy = cpu_s(proc) - before, env.machine_cpu()[0] - busy
             out[name] = (count / elapsed, used / count * 1e6, busy / elapsed)
     return out
 
