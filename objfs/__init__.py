@@ -17,7 +17,8 @@ Layers, from the kernel down (each module's docstring states its contract):
    stale-but-available rule) and ``reads.py`` (a read turned into blocks and a reply).
    ``readahead.py`` decides what each stream wants next, ``scheduler.py`` fetches it,
    ``write_behind.py`` writes fetched blocks to disk and backfills, ``block_cache.py`` owns the
-   memory tier (its byte budget and block buffers), ``disk_cache/`` the disk tier,
+   memory tier (its byte budget; ``buffer_pool.py`` its block buffers), ``disk_cache/`` the
+   disk tier,
    ``singleflight.py`` shares concurrent misses, ``wakeup.py`` is the one wake-up primitive.
 3. **Backends** (``backends/``: ``base.py`` the interface; ``s3.py`` with ``s3_client.py``,
    ``s3_signing.py``, ``s3_errors.py``; ``azure.py`` with ``azure_auth.py`` (credentials and

@@ -24,6 +24,10 @@ higher mark would leave the body's last view waiting for bytes that never come),
 set back to 1 before http.client reads the next reply's headers. Measured with 16 threads of
 8 MiB GETs from s3rver into 1 MiB views (4 rounds): 0.67 -> 0.40 system CPU s per GB in the
 receiving process, the same wall time.
+A body received into :class:`FilledViews` reports each view as it is filled whole
+(``filled(n, view)``, in the receiving thread), so a caller can hash the bytes while they are
+still in the CPU's caches: the disk tier's XXH3-64 of a 1 MiB block there cost 0.8x what it
+cost when the disk writer read the block back from memory later.
 TLS records are decrypted in user space, so HTTPS bodies keep ``http.client``'s
 ``readinto`` (one call per TLS record, at most 16 KiB).
 
@@ -241,19 +245,42 @@ class ConnectionPool:
                 conn.close()
 
 
+class FilledViews(list[memoryview]):
+    """Buffers a body fills in order, with ``filled(n, view)`` called in the receiving thread
+    as soon as ``views[n]`` holds its bytes whole; a retried request fills and reports them
+    again, so the last report of each view is of the bytes it holds when the read returns.
+    Backends pass them on as they are; every path that fills them reports (``report_filled``
+    where the bytes are not received here)."""
+
+    def __init__(
+        self, views: Sequence[memoryview], filled: Callable[[int, memoryview], None]
+    ) -> None:
+        super().__init__(views)
+        self.filled = filled
+
+
+def report_filled(views: Sequence[memoryview], n: int) -> None:
+    """``views[n]`` now holds its bytes whole: tell a ``FilledViews``' owner (else nothing)."""
+    if isinstance(views, FilledViews):
+        views.filled(n, views[n])
+
+
 def _fill(
     views: Sequence[memoryview], done: int, until: int, read: Callable[[memoryview], int]
 ) -> int:
     """Put bytes from ``read`` (a ``readinto``) into ``views``, taken as one buffer, from its
     byte ``done`` up to byte ``until``; where it stopped (short of ``until`` when ``read``
-    returned 0: the peer closed)."""
+    returned 0: the peer closed). Reports each view it completes (``FilledViews``)."""
     start = 0  # where ``view`` begins in the body
-    for view in views:
-        stop = min(start + len(view), until)
-        while start <= done < stop:
-            n = read(view[done - start : stop - start])
-            if not n:
+    for n, view in enumerate(views):
+        end = start + len(view)
+        completes = done < end <= until  # this call fills the view's last byte
+        while start <= done < min(end, until):
+            got = read(view[done - start : min(end, until) - start])
+            if not got:
                 return done
-            done += n
-        start += len(view)
+            done += got
+        if completes:
+            report_filled(views, n)
+        start = end
     return done

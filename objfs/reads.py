@@ -24,7 +24,8 @@ from collections.abc import Callable
 import trio
 
 from objfs.backends.base import Backend
-from objfs.block_cache import BlockCache, BlockKey, Buffer
+from objfs.block_cache import BlockCache, BlockKey
+from objfs.buffer_pool import Buffer
 from objfs.disk_cache import DiskCache
 from objfs.errors import StaleObjectError
 from objfs.inodes import Handle
@@ -356,7 +357,10 @@ class ReadPath:
         keys = [self.fetcher.key(handle, i) for i in indexes]
         if any(self.cache.is_cached_or_pending(k) for k in keys):
             return None
-        if self.disk is not None and self.disk.enabled:
+        disk = self.disk if self.disk is not None and self.disk.enabled else None
+        # From disk unless the table, read without waiting, lacks some of the blocks.
+        listed = None if disk is None else disk.listed_now(handle.key, handle.etag, indexes)
+        if disk is not None and (listed is None or len(listed) == len(indexes)):
             # The blocks are read from disk side by side into one buffer (no join), charged
             # to the reply share until the reply reaches the kernel (before the trio thread
             # runs anything else).

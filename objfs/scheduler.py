@@ -44,7 +44,9 @@ import trio
 from objfs.backends.base import Backend
 from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
 from objfs.disk_cache import DiskCache
+from objfs.disk_cache.layout import block_hash
 from objfs.errors import StaleObjectError
+from objfs.rawhttp import FilledViews
 from objfs.readahead import Stream
 from objfs.write_behind import WriteBehind
 
@@ -466,10 +468,16 @@ class Fetcher:
         ``blocks``); returns the others."""
         if not wanted:
             return wanted
+        assert self.disk is not None
+        listed = self.disk.listed_now(handle.key, handle.etag, wanted)
+        # Told without waiting which the table lists: no thread to read the others.
+        reading = wanted if listed is None else [i for i in wanted if i in listed]
+        if not reading:
+            return wanted
         found = await trio.to_thread.run_sync(
             self.read_disk_blocks_into,
             handle,
-            [(i, blocks[i].view) for i in wanted],
+            [(i, blocks[i].view) for i in reading],
             limiter=self.disk_read_limiter,
         )
         for index in found:
@@ -485,10 +493,15 @@ class Fetcher:
         """One ranged GET of consecutive blocks ``run`` into their buffers, then cached and
         offered to the disk tier (taken out of ``blocks``)."""
         start = run[0] * self.block_size
+        views: list[memoryview] = [blocks[i].view for i in run]
+        if self.disk is not None and self.disk.enabled:
+            # Hashed for the disk tier as each block lands, while it is in the CPU's caches.
+            def hashed(n: int, view: memoryview) -> None:
+                blocks[run[n]].digest = block_hash(view)
+
+            views = FilledViews(views, hashed)
         try:
-            await self.backend.read_into(
-                handle.key, handle.etag, start, [blocks[i].view for i in run]
-            )
+            await self.backend.read_into(handle.key, handle.etag, start, views)
         except StaleObjectError:
             self._on_stale(handle)
             raise

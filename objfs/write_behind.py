@@ -390,6 +390,7 @@ class WriteBehind:
                         first.etag,
                         first.block,
                         [b.view for _, b in run],
+                        [b.digest for _, b in run],
                     )
                     # ``stored`` counts from the run's first block; the others are not on
                     # disk (refused, or the write failed): a warm finds them missing.

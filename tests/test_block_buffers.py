@@ -24,7 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from objfs.backends.memory import MemoryBackend
-from objfs.block_cache import Block, BlockCache, BlockKey, Buffer, BufferPool, Reservation
+from objfs.block_cache import Block, BlockCache, BlockKey, Reservation
+from objfs.buffer_pool import Buffer, BufferPool
 from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.fs import FileSystem
@@ -123,10 +124,17 @@ class GatedDisk(DiskCache):
         )
         self.gate = threading.Event()
 
-    def write_blocks(self, key: str, etag: str, first_index: int, blocks: Sequence[Any]) -> int:
+    def write_blocks(
+        self,
+        key: str,
+        etag: str,
+        first_index: int,
+        blocks: Sequence[Any],
+        digests: Sequence[int | None] | None = None,
+    ) -> int:
         if not self.gate.wait(timeout=30):
             raise AssertionError("the gate never opened")
-        return super().write_blocks(key, etag, first_index, blocks)
+        return super().write_blocks(key, etag, first_index, blocks, digests)
 
 
 async def all_on_disk(disk: DiskCache, keys: list[BlockKey]) -> None:

@@ -29,7 +29,7 @@ import pytest
 import xxhash
 
 from objfs.block_cache import BlockKey
-from objfs.disk_cache import DiskCache, cached_blocks, layout, space, versions
+from objfs.disk_cache import DiskCache, blockio, cached_blocks, layout, space, versions
 from objfs.errors import UsageError
 
 BS = 64 * 1024
@@ -176,6 +176,64 @@ def test_present_blocks_of_a_list_are_returned(tmp_path: Path) -> None:
     assert cache.statistics()["disk_hits"] == 4
     assert cache.statistics()["disk_misses"] == 3
     assert cache.read_blocks("other", "e", [0], [BS]) == {}
+
+
+def test_the_table_is_read_without_waiting_only_where_it_can_be(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``listed_now`` (the trio thread's look before it hands a disk read to a thread): the
+    blocks the table lists, present or damaged, and the others counted as misses; None for
+    a version not open here, and where the entries are not in the page cache."""
+    cache = make_cache(tmp_path / "c")
+    assert cache.listed_now("k", "e", [0, 1]) is None  # no table yet: nothing opened for it
+    cache.write_blocks("k", "e", 0, [block("k", 0), block("k", 1)])
+    cache.write_blocks("k", "e", 5, [block("k", 5, 100)])
+    misses = cache.statistics()["disk_misses"]
+    assert cache.listed_now("k", "e", [5, 0, 1, 2, 3]) == {0, 1, 5}
+    assert cache.listed_now("k", "e", [6, 40]) == set()  # past the table's end: not listed
+    assert cache.statistics()["disk_misses"] == misses + 4
+    where = cache.locate("k", "e", 1)
+    patch_bytes(where.index_path, where.entry_offset + 4, b"\xff")  # garbled: a read finds out
+    assert cache.listed_now("k", "e", [1]) == {1}
+    other = make_cache(tmp_path / "c")  # another process sharing the directory
+    other.write_blocks("k", "e", 3, [block("k", 3)])
+    assert cache.listed_now("k", "e", [2, 3]) == {3}
+    assert cache.listed_now("k", "e", [0, 10_000]) is None  # more than a page of entries
+    assert cache.listed_now("never", "e", [0]) is None
+    real_preadv = os.preadv
+
+    def not_in_memory(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        if flags:
+            raise BlockingIOError(errno.EAGAIN, "not in the page cache")
+        return real_preadv(fd, buffers, offset, flags)
+
+    monkeypatch.setattr(os, "preadv", not_in_memory)
+    assert cache.listed_now("k", "e", [0, 2]) is None
+    cache.enabled = False
+    assert cache.listed_now("k", "e", [0]) is None
+
+
+def test_digests_given_are_written_as_they_are_and_checked_on_reading(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_blocks``' digests (the fetcher's, hashed as the bytes arrived) go into the
+    entries without hashing the blocks again; a wrong one makes its block a miss, dropped as
+    corrupt, never wrong bytes; None hashes that block here."""
+    cache = make_cache(tmp_path / "c")
+    blocks = [block("k", i) for i in range(3)]
+    digests = [layout.block_hash(b) for b in blocks]
+    hashed: list[int] = []
+    real_hash = layout.block_hash
+    monkeypatch.setattr(
+        blockio, "block_hash", lambda data: hashed.append(len(data)) or real_hash(data)
+    )
+    assert cache.write_blocks("k", "e", 0, blocks, [digests[0], None, digests[2] ^ 1]) == 3
+    assert hashed == [BS]  # block 1's only
+    monkeypatch.setattr(blockio, "block_hash", real_hash)
+    assert cache.read_blocks("k", "e", [0, 1, 2], [BS] * 3) == {0: blocks[0], 1: blocks[1]}
+    assert cache.corrupt == 1
+    with pytest.raises(ValueError, match="2 digests for 3 blocks"):
+        cache.write_blocks("k", "e", 0, blocks, digests[:2])
 
 
 def test_page_aligned_buffers_go_to_disk_and_back_without_a_copy(

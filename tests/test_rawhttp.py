@@ -1,7 +1,8 @@
 """objfs.rawhttp against a scripted HTTP server on loopback: bodies land byte-exact in the
 caller's views, whole plain-HTTP views take one receive each and wake the receiver about
 once per MiB (SO_RCVLOWAT), never waiting past the body's end, a connection is reused only
-after a complete body, and short, stalled and TLS bodies behave as the module says.
+after a complete body, short, stalled and TLS bodies behave as the module says, and
+``FilledViews`` are reported once each, with their bytes whole.
 """
 
 from __future__ import annotations
@@ -294,6 +295,44 @@ def test_a_body_cut_short_is_reported_short_and_its_connection_dropped(server: S
     pool.close()
 
 
+def _reporting(views: list[memoryview]) -> tuple[rawhttp.FilledViews, list[tuple[int, bytes]]]:
+    """FilledViews over ``views`` that record each report: (index, the view's bytes then)."""
+    reports: list[tuple[int, bytes]] = []
+    return rawhttp.FilledViews(views, lambda n, v: reports.append((n, v.tobytes()))), reports
+
+
+def test_filled_views_are_reported_once_each_as_their_bytes_land(server: Server) -> None:
+    sizes = [5000, MiB, 12345, MiB - 7]
+    bodies = [os.urandom(sum(sizes)) for _ in range(3)]
+    # The first view whole in the headers' read, the second begun there (http.client's
+    # buffered bytes, then the socket); TLS: test_https_bodies_are_received_through_tls.
+    server.scripts = [
+        Script(bodies[0], chunk=1000, with_headers=5000),
+        Script(bodies[1], chunk=300 * 1024, with_headers=7000),
+        Script(bodies[2], chunk=32 * 1024),
+    ]
+    pool = _pool()
+    for body in bodies:
+        buf, views = _views(sizes)
+        filled, reports = _reporting(views)
+        reply = pool.get_into(server.url(), {}, filled)
+        assert (reply.received, bytes(buf)) == (len(body), body)
+        at = [sum(sizes[:n]) for n in range(len(sizes) + 1)]
+        assert reports == [(n, body[at[n] : at[n + 1]]) for n in range(len(sizes))]
+    pool.close()
+
+
+def test_a_view_a_short_body_leaves_unfilled_is_not_reported(server: Server) -> None:
+    body = os.urandom(3 * MiB)
+    server.scripts = [Script(body, stop_after=MiB + 4321)]
+    pool = _pool()
+    _, views = _views([MiB] * 3)
+    filled, reports = _reporting(views)
+    assert pool.get_into(server.url(), {}, filled).received == MiB + 4321
+    assert reports == [(0, body[:MiB])]
+    pool.close()
+
+
 def test_a_stalled_body_raises_connection_failed(server: Server) -> None:
     body = os.urandom(2 * MiB)
     server.scripts = [Script(body, stop_after=MiB // 2, stall_s=8.0), Script(body)]
@@ -328,8 +367,10 @@ def test_https_bodies_are_received_through_tls(tmp_path: Path) -> None:
         pool = _pool(ca_file=str(cert))
         for body in bodies:
             buf, views = _views([MiB, MiB, 17])
-            reply = pool.get_into(srv.url(), {}, views)
+            filled, reports = _reporting(views)
+            reply = pool.get_into(srv.url(), {}, filled)
             assert (reply.received, bytes(buf)) == (len(body), body)
+            assert reports == [(0, body[:MiB]), (1, body[MiB : 2 * MiB]), (2, body[-17:])]
         assert srv.accepted == 1
         pool.close()
 

@@ -471,12 +471,13 @@ class AzureBackend(Backend):
                         error = TransientStoreError(f"{what}: the reply is for {got_range!r}")
                     else:
                         got = 0
-                        for view in views:
+                        for n, view in enumerate(views):
                             piece = resp.read(len(view), decode_content=False)
                             view[: len(piece)] = piece
                             got += len(piece)
                             if len(piece) < len(view):
                                 break
+                            rawhttp.report_filled(views, n)
                         if got == length:
                             _check_version(what, etag, resp.headers.get("ETag"))
                             return

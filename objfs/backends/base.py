@@ -26,6 +26,8 @@ import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
+from objfs.rawhttp import report_filled
+
 log = logging.getLogger(__name__)
 
 # The pin of a version whose store sent no ETag (see version_pin). Not a valid ETag (no
@@ -159,14 +161,16 @@ class Backend(abc.ABC):
         """Read ``sum(len(v) for v in views)`` bytes from ``start`` with one request, filling
         ``views`` in order. Same contract as :meth:`read_range` (all bytes or an exception;
         on an exception the views hold garbage). Backends override it to receive straight into
-        the views (the memory tier's pooled buffers) without an intermediate copy.
+        the views (the memory tier's pooled buffers) without an intermediate copy. Views
+        that are ``rawhttp.FilledViews`` are reported as each is filled.
         """
         length = sum(len(v) for v in views)
         data = memoryview(await self.read_range(key, etag, start, length))
         offset = 0
-        for view in views:
+        for n, view in enumerate(views):
             view[:] = data[offset : offset + len(view)]
             offset += len(view)
+            report_filled(views, n)
 
     async def has_keys_under(self, prefix: str) -> bool:
         """Whether any key starts with ``prefix`` (ending in ``/``): one listing request,

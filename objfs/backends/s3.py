@@ -498,11 +498,12 @@ class S3Backend(Backend):
                 else None,
                 content_range_total(got_range) if got_range else int(resp.get("ContentLength", 0)),
             )
-            for view in views:
+            for n, view in enumerate(views):
                 data = body.read(len(view))
                 if len(data) != len(view):
                     raise TransientStoreError(f"{what}: the body ended early")
                 view[:] = data
+                rawhttp.report_filled(views, n)
         finally:
             body.close()
 

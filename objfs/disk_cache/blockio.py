@@ -14,6 +14,9 @@ Contract:
   written whole: a crash between the two, a torn write or a truncated file gives a miss, never
   wrong bytes. A run of consecutive blocks (at most 8, ``runs``) is one ``pwritev`` of the data
   and one ``pwrite`` of its entries; a read run one table ``pread`` and one ``preadv``.
+* ``listed_now`` reads table entries only from the page cache and only of a version open
+  already, so the trio thread can skip a worker thread's read of blocks the table does not
+  list (a cold load's every block); what it cannot tell at once it leaves to that read.
 * O_DIRECT I/O goes straight from or into the caller's buffer when it is a page-aligned,
   writable buffer of whole pages (the block cache's pooled mmaps), else through a small pool of
   page-aligned buffers and one copy. A write never pads: the bytes of an object's last block
@@ -53,6 +56,10 @@ log = logging.getLogger("objfs.disk_cache")  # one name for the tier
 _POOLED_BUFFERS = 8
 # Blocks per preadv/pwritev: the read-ahead's runs (an 8 MiB part of 1 MiB blocks) in one call.
 _MAX_IO_BLOCKS = 8
+# Table entries ``listed_now`` reads at most (one page's worth).
+_PEEK_ENTRIES = PAGE // ENTRY.size
+# preadv's "only what is in the page cache" flag, where this Python and kernel have it.
+_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
 
 #: Called with each block found intact: its index, a view of its bytes, and whether that view
 #: is of a pooled buffer (to be copied out before the call returns).
@@ -94,6 +101,45 @@ class BlockIO(VersionStore):
         with self._lock:
             self.hits += hits
             self.misses += len(wanted) - hits
+
+    def listed_now(self, key: str, etag: str, indexes: Sequence[int]) -> set[int] | None:
+        """Which of blocks ``indexes`` of version (key, etag) the table lists (present or
+        not, intact or not), told without waiting: None unless the version's files are open
+        in this process already and its entries for them are in the page cache
+        (``RWF_NOWAIT``). The blocks not listed are counted as misses. For the trio thread,
+        before it hands a read of the blocks to a worker thread: it never opens a file or
+        waits on a disk. Like ``_use`` without its link-count check: a version another
+        process removed in the last second answers from its removed table."""
+        if not self.enabled or not indexes or _NOWAIT is None:
+            return None
+        first, last = min(indexes), max(indexes)
+        if last - first >= _PEEK_ENTRIES:
+            return None
+        v = self._version(key, etag)
+        with self._lock:
+            files = self._files.get(v.digest)
+            if files is None:
+                return None
+            files.users += 1
+        offset = v.table_offset + first * ENTRY.size
+        table = bytearray((last - first + 1) * ENTRY.size)
+        try:
+            got = os.preadv(files.index_fd, [table], offset, _NOWAIT)
+            # A short read is the table's end, or entries not in the page cache.
+            if got < len(table) and offset + got < os.fstat(files.index_fd).st_size:
+                return None
+        except OSError:
+            return None  # EAGAIN: not in the page cache (or no RWF_NOWAIT here)
+        finally:
+            self._release(files)
+        found = set()
+        for index in indexes:
+            at = (index - first) * ENTRY.size
+            if at + ENTRY.size <= got and table[at : at + ENTRY.size] != NO_ENTRY:
+                found.add(index)
+        with self._lock:
+            self.misses += len(set(indexes) - found)
+        return found
 
     def _read_run(
         self,
@@ -219,11 +265,22 @@ class BlockIO(VersionStore):
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _write_chunk(self, v: Version, files: Files, first: int, views: list[memoryview]) -> int:
+    def _write_chunk(
+        self,
+        v: Version,
+        files: Files,
+        first: int,
+        views: list[memoryview],
+        digests: Sequence[int | None],
+    ) -> int:
         """Write consecutive blocks (all block_size long but the last) and then their table
-        entries; returns how many were written whole. A short write is a full disk."""
+        entries (``digests``: their hashes where known, see ``write_blocks``); returns how
+        many were written whole. A short write is a full disk."""
         offset = first * self.block_size
-        hashes = [block_hash(view) for view in views]
+        hashes = [
+            block_hash(view) if digest is None else digest
+            for view, digest in zip(views, digests, strict=True)
+        ]
         total = (len(views) - 1) * self.block_size + len(views[-1])
         written = -1
         if self._use_direct(files):

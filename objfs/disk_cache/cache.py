@@ -100,12 +100,22 @@ class DiskCache(BlockIO, SpaceKeeper):
         return filled
 
     def write_blocks(
-        self, key: str, etag: str, first_index: int, blocks: Sequence[BlockData]
+        self,
+        key: str,
+        etag: str,
+        first_index: int,
+        blocks: Sequence[BlockData],
+        digests: Sequence[int | None] | None = None,
     ) -> int:
         """Store blocks ``first_index``, ``first_index + 1``, ... of version (key, etag);
         returns how many were stored, counted from the first (fewer than given: the rest are
         not on disk). Every block but an object's last is block_size long. Runs of up to 8
         blocks are one pwritev of the data and one pwrite of their entries.
+
+        ``digests[n]``, where given, is the XXH3-64 of ``blocks[n]`` as the caller computed
+        it (the fetcher hashes a block as it arrives, while its bytes are in the CPU's
+        caches), put in its entry without hashing it again; None: hashed here. A wrong one
+        makes the block a miss on every read (its check fails), never wrong bytes.
 
         Nothing is written (0) when the version would pass 90% of the cap, when free space
         is under the floor, or when the cap has no room for the write even after evicting
@@ -115,6 +125,10 @@ class DiskCache(BlockIO, SpaceKeeper):
         views = [byte_view(b) for b in blocks]
         if any(not 0 < len(v) <= self.block_size for v in views):
             raise ValueError(f"a block's length must be 1 to {self.block_size} bytes")
+        if digests is None:
+            digests = [None] * len(views)
+        elif len(digests) != len(views):
+            raise ValueError(f"{len(digests)} digests for {len(views)} blocks")
         v = self._version(key, etag)
         nbytes = sum(len(view) for view in views)
         with self._lock:
@@ -160,7 +174,9 @@ class DiskCache(BlockIO, SpaceKeeper):
                             at = spans[start][0] - first_index
                             stored = at  # the blocks before this run are listed
                             run = views[at : at + stop - start]
-                            whole = self._write_chunk(v, files, first_index + at, run)
+                            whole = self._write_chunk(
+                                v, files, first_index + at, run, digests[at : at + len(run)]
+                            )
                             written += range(first_index + at, first_index + at + whole)
                             stored += whole
                         stored = len(views)

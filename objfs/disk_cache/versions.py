@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import mmap
 import os
@@ -121,6 +122,10 @@ class VersionStore:
         self.corrupt = 0
         self.errors = 0
         self.root = prepare(os.path.abspath(directory))
+        # A version's naming (a SHA-256 and its header) for the recent (key, etag) pairs.
+        self._versions = functools.lru_cache(maxsize=4 * _OPEN_VERSIONS)(
+            functools.partial(version, self.root, namespace)
+        )
         # Which blocks the processes sharing the directory are fetching (trio thread only).
         self.fetch_locks = FetchLocks(self.root, lambda key, etag: self._version(key, etag).digest)
 
@@ -150,7 +155,7 @@ class VersionStore:
             self._total = sum(entry.allocated for entry in self._index.values())
 
     def _version(self, key: str, etag: str) -> Version:
-        return version(self.root, self.namespace, key, etag, self.block_size)
+        return self._versions(key, etag, self.block_size)
 
     def _checked_blocks(self, v: Version, key: str, etag: str) -> set[int]:
         """(Under the lock) The checked blocks of ``v`` (see ``_checked``)."""

@@ -133,7 +133,13 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-cache-dir", action="store_true")
-    p.add_argument("--py-spy", default="")
+    p.add_argument(
+        "--py-spy", default="", help="py-spy record the daemon's first load into this file"
+    )
+    p.add_argument("--py-spy-rate", type=int, default=100, help="py-spy's samples per second")
+    p.add_argument(
+        "--py-spy-gil", action="store_true", help="py-spy: only the thread holding the GIL"
+    )
     p.add_argument("--perf", default="", help="perf record the daemon's cold load into this file")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--cold-only", action="store_true", help="skip the remount load")
@@ -223,12 +229,13 @@ def main() -> None:
                                     str(m.pid),
                                     "--threads",
                                     "-r",
-                                    "100",
+                                    str(args.py_spy_rate),
                                     "-f",
                                     "raw",
                                     "-o",
                                     out,
                                     "--nonblocking",
+                                    *(["--gil"] if args.py_spy_gil else []),
                                 ],
                                 stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL,
