@@ -201,6 +201,38 @@ async def test_random_reads_are_served_from_the_disk_cache(
     assert backend.statistics()["get"] == before
 
 
+async def test_a_random_read_asks_the_disk_only_when_the_table_lists_all_it_touches(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """With the version's table open here, a random read whose blocks are not all listed
+    goes to the store without a disk read in a thread (``DiskCache.listed_now``)."""
+    backend = MemoryBackend()
+    data = os.urandom(64 * MiB)
+    etag = backend.put("p/f.bin", data)
+    disk = disk_cache(tmp_path / "c")
+    for first in (0, 41):
+        blocks = [data[i * MiB : (i + 1) * MiB] for i in range(first, first + 4)]
+        assert disk.write_blocks("p/f.bin", etag, first, blocks) == 4
+    fs = FileSystem(backend, config(), disk)
+    thread_reads: list[list[int]] = []
+    real_read = fs.fetcher.read_disk_blocks_into
+
+    def counted(handle: object, wanted: list[tuple[int, memoryview]]) -> set[int]:
+        thread_reads.append([i for i, _ in wanted])
+        return real_read(handle, wanted)  # type: ignore[arg-type]
+
+    fs.fetcher.read_disk_blocks_into = counted  # type: ignore[method-assign]
+    fs.start(nursery)
+    fh = await open_file(fs, "f.bin")
+    # On disk; not on disk; straddling blocks 3 (listed) and 4 (not). Each one backwards
+    # from the one before: random reads, none continues another.
+    for off in (42 * MiB + 3, 20 * MiB + 5, 4 * MiB - 100):
+        assert await fs.read(fh, off, 4096) == data[off : off + 4096]
+    assert thread_reads == [[42]]
+    stats = backend.statistics()
+    assert (stats["get"], stats["get_bytes"]) == (2, 3 * RANDOM_READ_ALIGN)
+
+
 async def test_safetensors_are_fetched_whole_on_open(nursery: trio.Nursery) -> None:
     backend = MemoryBackend()
     data = os.urandom(20 * MiB)
@@ -522,6 +554,7 @@ async def test_a_demand_fetch_takes_the_rest_of_its_part_only_while_others_read_
     assert backend.statistics()["get_bytes"] == MiB
     other = await open_file(fs, "f.bin")
     await fs.fetcher.demand(handle, 5)  # blocks 5-7: the rest of part 1, one GET
+    print("STATS", backend.statistics(), fs.cache.statistics())
     assert backend.statistics()["get"] == 2
     assert backend.statistics()["get_bytes"] == 4 * MiB
     await fs.fetcher.demand(fs._handle(other), 0)  # block 0 only: block 1 is cached
