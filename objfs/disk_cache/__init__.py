@@ -18,7 +18,8 @@ Modules, each with its own contract:
 * ``directory.py``: the private directory; table files created whole, versions removed.
 * ``versions.py``: ``VersionStore``, the index of versions, the open files, the lock and the
   error policy.
-* ``blockio.py``: ``BlockIO``, verified block reads and writes, O_DIRECT.
+* ``blockio.py``: ``BlockIO``, verified block reads and writes, O_DIRECT, and the table read
+  without waiting (``listed_now``) that spares a cold load's fetches a thread each.
 * ``ledger.py`` and ``space.py``: ``SpaceKeeper``, the size cap shared by processes, the
   free-space floor and eviction.
 * ``stamp.py``: the record of a version verified whole, for FUSE passthrough.

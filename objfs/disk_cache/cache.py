@@ -6,8 +6,10 @@ Contract:
 * ``read_blocks(key, etag, indexes, lengths) -> {index: bytes}`` and
   ``read_blocks_into(key, etag, indexes, buffers) -> {indexes filled}`` return the present,
   intact blocks of a list (see ``blockio.py``); ``write_blocks(key, etag, first_index,
-  blocks) -> count`` stores a run of consecutive blocks, or fewer (see ``space.py`` for when
-  none); ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
+  blocks, digests) -> count`` stores a run of consecutive blocks (with the hashes the caller
+  computed as they arrived, where it did), or fewer (see ``space.py`` for when none);
+  ``listed_now`` tells without waiting which blocks the table lists, or nothing;
+  ``read(BlockKey, length)`` and ``write(BlockKey, data)`` do one block;
   ``missing_bytes(key, etag, lengths)`` says how much of a version the table does not list.
 * ``open_whole_version`` opens a data file for FUSE passthrough only when it holds exactly the
   object's bytes and every block was checked against its hash once for this cache (by this
@@ -155,7 +157,7 @@ class DiskCache(BlockIO, SpaceKeeper):
                 self.skipped_full += len(views)
             return 0
         stored = 0  # blocks on disk, counted from the first: listed before, or written now
-        written: list[int] = []  # indexes written (hashed as they went out) by this call
+        written: list[int] = []  # indexes written (hashed, here or as they arrived) by this call
         landed = need  # what the write allocated: all it reserved, unless measured
         try:
             with self._use(v, create=True) as files:

@@ -107,7 +107,7 @@ class VersionStore:
         # record (see open_whole_version): digest -> (device, inode) of the file verified.
         # Forgotten when this process removes the version or finds it removed.
         self._verified: dict[str, tuple[int, int]] = {}
-        # Blocks this process wrote (hashed as they went out) or read back intact, by
+        # Blocks this process wrote (hashed as they arrived or went out) or read back intact, by
         # version: (key, etag, indexes). A version they cover whole can be sealed (see seal).
         self._checked: dict[str, tuple[str, str, set[int]]] = {}
         self._index: OrderedDict[str, _Entry] = OrderedDict()  # digest -> entry, LRU first
