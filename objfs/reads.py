@@ -359,7 +359,11 @@ class ReadPath:
             return None
         disk = self.disk if self.disk is not None and self.disk.enabled else None
         # From disk unless the table, read without waiting, lacks some of the blocks.
-        listed = None if disk is None else disk.listed_now(handle.key, handle.etag, indexes)
+        listed = (
+            None
+            if disk is None
+            else disk.listed_now(handle.key, handle.etag, indexes, all_or_none=True)
+        )
         if disk is not None and (listed is None or len(listed) == len(indexes)):
             # The blocks are read from disk side by side into one buffer (no join), charged
             # to the reply share until the reply reaches the kernel (before the trio thread

@@ -209,8 +209,62 @@ def test_the_table_is_read_without_waiting_only_where_it_can_be(
 
     monkeypatch.setattr(os, "preadv", not_in_memory)
     assert cache.listed_now("k", "e", [0, 2]) is None
+    assert cache._nowait  # EAGAIN is of the moment
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    # A random read reads none unless all are listed: a partial answer is all misses.
+    misses = cache.statistics()["disk_misses"]
+    assert cache.listed_now("k", "e", [0, 2], all_or_none=True) == {0}
+    assert cache.listed_now("k", "e", [0, 1], all_or_none=True) == {0, 1}
+    assert cache.statistics()["disk_misses"] == misses + 2
+    # Files not checked for another process's removal in the last second: not used until
+    # a read or write checks them again.
+    later = versions.monotonic() + 2
+    monkeypatch.setattr(versions, "monotonic", lambda: later)
+    assert cache.listed_now("k", "e", [0]) is None
+    assert cache.read_blocks("k", "e", [0], [BS]) == {0: block("k", 0)}
+    assert cache.listed_now("k", "e", [0]) == {0}
+
+    def refused(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        raise OSError(errno.EOPNOTSUPP, "no RWF_NOWAIT here")
+
+    monkeypatch.setattr(os, "preadv", refused)
+    assert cache.listed_now("k", "e", [0]) is None
+    monkeypatch.setattr(os, "preadv", real_preadv)
+    assert cache.listed_now("k", "e", [0]) is None  # off for good in this cache
+    assert make_cache(tmp_path / "c").listed_now("k", "e", [0]) is None  # not open there
+    cache._nowait = True
     cache.enabled = False
     assert cache.listed_now("k", "e", [0]) is None
+
+
+def test_files_dropped_during_a_look_are_closed_in_a_thread_of_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The trio thread never closes an evicted version's files (which frees its disk blocks)
+    when the version was dropped while ``listed_now`` held them."""
+    cache = make_cache(tmp_path / "c")
+    cache.write_blocks("k", "e", 0, [block("k", 0)])
+    v = cache._version("k", "e")
+    files = cache._files[v.digest]
+    real_preadv, real_close = os.preadv, versions.Files.close
+    closed_by: list[str] = []
+    done = threading.Event()
+
+    def evicted_meanwhile(fd: int, buffers: Any, offset: int, flags: int = 0) -> int:
+        cache._drop_files(v.digest, files)  # in use here: not closed yet
+        return real_preadv(fd, buffers, offset, flags)
+
+    def close(self: versions.Files) -> None:
+        closed_by.append(threading.current_thread().name)
+        real_close(self)
+        done.set()
+
+    monkeypatch.setattr(os, "preadv", evicted_meanwhile)
+    monkeypatch.setattr(versions.Files, "close", close)
+    assert cache.listed_now("k", "e", [0]) == {0}
+    assert done.wait(10)
+    assert closed_by == ["objfs-close"]
+    assert files.closed
 
 
 def test_digests_given_are_written_as_they_are_and_checked_on_reading(

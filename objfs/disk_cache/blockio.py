@@ -16,7 +16,8 @@ Contract:
   and one ``pwrite`` of its entries; a read run one table ``pread`` and one ``preadv``.
 * ``listed_now`` reads table entries only from the page cache and only of a version open
   already, so the trio thread can skip a worker thread's read of blocks the table does not
-  list (a cold load's every block); what it cannot tell at once it leaves to that read.
+  list (a cold load's fetches once the version's first write has opened its files); what
+  it cannot tell at once it leaves to that read.
 * O_DIRECT I/O goes straight from or into the caller's buffer when it is a page-aligned,
   writable buffer of whole pages (the block cache's pooled mmaps), else through a small pool of
   page-aligned buffers and one copy. A write never pads: the bytes of an object's last block
@@ -59,7 +60,7 @@ _MAX_IO_BLOCKS = 8
 # Table entries ``listed_now`` reads at most (one page's worth).
 _PEEK_ENTRIES = PAGE // ENTRY.size
 # preadv's "only what is in the page cache" flag, where this Python and kernel have it.
-_NOWAIT: int | None = getattr(os, "RWF_NOWAIT", None)
+_NOWAIT: int = getattr(os, "RWF_NOWAIT", 0)
 
 #: Called with each block found intact: its index, a view of its bytes, and whether that view
 #: is of a pooled buffer (to be copied out before the call returns).
@@ -67,6 +68,9 @@ Deliver = Callable[[int, memoryview, bool], None]
 
 
 class BlockIO(VersionStore):
+    # Whether ``listed_now`` may try RWF_NOWAIT reads (off for good once refused).
+    _nowait = bool(_NOWAIT)
+
     # -- reading ---------------------------------------------------------------------------
 
     def _read(
@@ -102,25 +106,26 @@ class BlockIO(VersionStore):
             self.hits += hits
             self.misses += len(wanted) - hits
 
-    def listed_now(self, key: str, etag: str, indexes: Sequence[int]) -> set[int] | None:
+    def listed_now(
+        self, key: str, etag: str, indexes: Sequence[int], *, all_or_none: bool = False
+    ) -> set[int] | None:
         """Which of blocks ``indexes`` of version (key, etag) the table lists (present or
-        not, intact or not), told without waiting: None unless the version's files are open
-        in this process already and its entries for them are in the page cache
-        (``RWF_NOWAIT``). The blocks not listed are counted as misses. For the trio thread,
-        before it hands a read of the blocks to a worker thread: it never opens a file or
-        waits on a disk. Like ``_use`` without its link-count check: a version another
-        process removed in the last second answers from its removed table."""
-        if not self.enabled or not indexes or _NOWAIT is None:
+        not, intact or not), told without waiting on a disk: for the trio thread, before it
+        hands a read of the blocks to a worker thread. None where that cannot be told at
+        once: the version's files not open in this process or their link count not checked
+        in the last second (``_held_open``), the entries not in the page cache
+        (``RWF_NOWAIT``; None always where the kernel or file system lacks it), or more than
+        a page of entries. The blocks not listed count as misses; with ``all_or_none`` (the
+        caller reads none of them unless all are listed) a partial answer counts them all."""
+        if not self.enabled or not indexes or not self._nowait:
             return None
         first, last = min(indexes), max(indexes)
         if last - first >= _PEEK_ENTRIES:
             return None
         v = self._version(key, etag)
-        with self._lock:
-            files = self._files.get(v.digest)
-            if files is None:
-                return None
-            files.users += 1
+        files = self._held_open(v)
+        if files is None:
+            return None
         offset = v.table_offset + first * ENTRY.size
         table = bytearray((last - first + 1) * ENTRY.size)
         try:
@@ -128,17 +133,21 @@ class BlockIO(VersionStore):
             # A short read is the table's end, or entries not in the page cache.
             if got < len(table) and offset + got < os.fstat(files.index_fd).st_size:
                 return None
-        except OSError:
-            return None  # EAGAIN: not in the page cache (or no RWF_NOWAIT here)
+        except OSError as exc:
+            if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+                self._nowait = False  # this file system never reads without waiting
+            return None  # EAGAIN: not in the page cache
         finally:
-            self._release(files)
+            self._release(files, close_in_thread=True)
         found = set()
         for index in indexes:
             at = (index - first) * ENTRY.size
             if at + ENTRY.size <= got and table[at : at + ENTRY.size] != NO_ENTRY:
                 found.add(index)
+        wanted = set(indexes)
+        missed = wanted if all_or_none and found != wanted else wanted - found
         with self._lock:
-            self.misses += len(set(indexes) - found)
+            self.misses += len(missed)
         return found
 
     def _read_run(

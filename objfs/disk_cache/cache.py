@@ -117,7 +117,8 @@ class DiskCache(BlockIO, SpaceKeeper):
         ``digests[n]``, where given, is the XXH3-64 of ``blocks[n]`` as the caller computed
         it (the fetcher hashes a block as it arrives, while its bytes are in the CPU's
         caches), put in its entry without hashing it again; None: hashed here. A wrong one
-        makes the block a miss on every read (its check fails), never wrong bytes.
+        is never wrong bytes: the first read of the block finds its check failing, drops it
+        and reads it as a miss.
 
         Nothing is written (0) when the version would pass 90% of the cap, when free space
         is under the floor, or when the cap has no room for the write even after evicting
@@ -223,8 +224,8 @@ class DiskCache(BlockIO, SpaceKeeper):
     def seal(self, key: str, etag: str, size: int) -> bool:
         """Record version (key, etag) of ``size`` bytes as verified whole for passthrough
         (``STAMP``, see open_whole_version) when this process checked every one of its
-        blocks (wrote them, hashed as they went out, or read them back intact): no read of
-        its bytes, here or in the next process. The data is synced to disk first. True when
+        blocks (wrote them, hashed as they arrived or went out, or read them back intact):
+        no read of its bytes, here or in the next process. The data is synced first. True when
         the version is recorded (now or before); False when a block is missing or was not
         checked here."""
         if not self.enabled or size <= 0:
@@ -260,9 +261,9 @@ class DiskCache(BlockIO, SpaceKeeper):
         never pad it, ``blockio.py``; a longer file left by an older objfs is cut to size),
         so it has nothing past the object's end, and no holes (block ``i`` fills ``[i *
         block_size, ...)``); and every block was checked against its hash once for this disk
-        cache: written by this process (hashed as it went out) or read back intact by it,
-        else read and verified now (a damaged block is dropped, so normal reads fetch and
-        rewrite it, and this answers None). The check is recorded in the table file
+        cache: written by this process (hashed as it arrived or went out) or read back
+        intact by it, else read and verified now (a damaged block is dropped, so normal reads
+        fetch and rewrite it, and this answers None). The check is recorded in the table file
         (``STAMP``: the data file's inode and size and a hash of the table) after the data
         is synced to disk, so a remount serves the version with no read of its bytes;
         dropping a block, rewriting the table, replacing or resizing the file voids the

@@ -226,12 +226,29 @@ class VersionStore:
             old.close()
         return files
 
-    def _release(self, files: Files) -> None:
+    def _held_open(self, v: Version) -> Files | None:
+        """The open files of ``v``, their use count raised (``_release`` them), only if they
+        are open already and their link count was checked in the last ``_RECHECK_S``; else
+        None. Opens nothing and checks nothing: no system call."""
+        now = monotonic()
+        with self._lock:
+            files = self._files.get(v.digest)
+            if files is None or now - files.checked_at >= _RECHECK_S:
+                return None
+            files.users += 1
+            return files
+
+    def _release(self, files: Files, *, close_in_thread: bool = False) -> None:
+        """Drop a use of ``files``; the last use of dropped files closes them (in a thread of
+        its own with ``close_in_thread``: closing an evicted version's files frees its disk
+        blocks, which may wait on the disk)."""
         with self._lock:
             files.users -= 1
             close = files.dropped and files.users == 0 and not files.closed
             files.closed |= close
-        if close:
+        if close and close_in_thread:
+            threading.Thread(target=files.close, name="objfs-close", daemon=True).start()
+        elif close:
             files.close()
 
     def _drop_files(self, digest: str, files: Files) -> None:

@@ -31,7 +31,7 @@ What the README's "FUSE transports" says in short, in full (the user's view of e
   byte (a remount, a pod restarted on the same node, ``objfs warm --cache-only`` followed by a
   load, ``objfs.torch_io`` on such a file). The kernel checks no hash, so a version is offered
   only once every one of its blocks was checked against its hash: blocks a mount wrote were
-  hashed as they went out, and blocks it read from the disk cache were checked as they were
+  hashed before they went out, and blocks it read from the disk cache were checked as they were
   read; a version they cover whole is recorded as checked in its table file when the mount ends
   and after ``objfs warm`` (the data is synced first). A version not recorded (its writer was
   killed, or two processes wrote it) is read and verified before its first passthrough open (the
