@@ -274,9 +274,10 @@ def _fill(
     start = 0  # where ``view`` begins in the body
     for n, view in enumerate(views):
         end = start + len(view)
+        stop = min(end, until)
         completes = done < end <= until  # this call fills the view's last byte
-        while start <= done < min(end, until):
-            got = read(view[done - start : min(end, until) - start])
+        while start <= done < stop:
+            got = read(view[done - start : stop - start])
             if not got:
                 return done
             done += got

@@ -67,13 +67,12 @@ def lock_offset(digest: str, index: int) -> int:
 
 class FetchLocks:
     """The fetch locks of one cache directory, as this open of its lock file holds them.
-    ``digest_of(key, etag)``: a version's digest (the disk tier's naming)."""
+    ``digest_of(key, etag)``: a version's digest (the disk tier's naming, memoized there)."""
 
     def __init__(self, root: str, digest_of: Callable[[str, str], str]) -> None:
         self.path = os.path.join(root, "fetching")
         self.enabled = True
         self._digest_of = digest_of
-        self._digests: dict[tuple[str, str], str] = {}
         self._fd = -1  # open only while a lock is held (see _close_if_idle)
         # Offsets locked here, and the blocks (key, etag, index) that hold each.
         self._held: dict[int, set[tuple[str, str, int]]] = {}
@@ -81,12 +80,7 @@ class FetchLocks:
         self.waits = 0
 
     def _offset(self, key: str, etag: str, index: int) -> int:
-        digest = self._digests.get((key, etag))
-        if digest is None:
-            if len(self._digests) >= 4096:
-                self._digests.clear()
-            digest = self._digests[(key, etag)] = self._digest_of(key, etag)
-        return lock_offset(digest, index)
+        return lock_offset(self._digest_of(key, etag), index)
 
     def take(self, key: str, etag: str, indexes: Iterable[int]) -> list[int]:
         """Lock the blocks ``indexes`` of version (key, etag) that no other open of the lock
