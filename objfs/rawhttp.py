@@ -41,6 +41,7 @@ error, or whose reply was not read to its end, is closed, never reused.
 
 from __future__ import annotations
 
+import functools
 import http.client
 import socket
 import ssl
@@ -84,12 +85,19 @@ class Reply:
 
 def uses_proxy(url: str) -> bool:
     """True when the environment routes ``url`` through a proxy (HTTP(S)_PROXY, NO_PROXY):
-    this module speaks to the origin only, so such requests take the SDK's path."""
+    this module speaks to the origin only, so such requests take the SDK's path. The
+    environment is read once per origin (a scan of it cost some 60 us per GET): a process
+    keeps the proxy settings it started with, as the SDK's clients keep theirs."""
     parts = urllib.parse.urlsplit(url)
+    return _origin_uses_proxy(parts.scheme, parts.hostname or "")
+
+
+@functools.lru_cache(maxsize=256)
+def _origin_uses_proxy(scheme: str, host: str) -> bool:
     proxies = urllib.request.getproxies()
-    if parts.scheme not in proxies:
+    if scheme not in proxies:
         return False
-    return not urllib.request.proxy_bypass(parts.hostname or "")
+    return not urllib.request.proxy_bypass(host)
 
 
 class ConnectionPool:

@@ -12,8 +12,8 @@ What the README's "FUSE transports" says in short, in full (the user's view of e
   (``objfs/kernel/``), without libfuse. It mounts with mount(2) as root, through ``fusermount3``
   otherwise, or serves a passed ``/dev/fd/N``, and answers every request with the same bytes and
   errnos as the pyfuse3 transport. What it adds: the INIT reply asks for what the kernel offers
-  of ``ASYNC_READ``, ``PARALLEL_DIROPS``, READDIRPLUS and ``MAX_PAGES`` (requests up to 4 MiB;
-  as root objfs first raises the ``fs.fuse.max_pages_limit`` sysctl to 1024 pages if it is
+  of ``ASYNC_READ``, ``PARALLEL_DIROPS``, READDIRPLUS and ``MAX_PAGES`` (requests up to 8 MiB;
+  as root objfs first raises the ``fs.fuse.max_pages_limit`` sysctl to 2048 pages if it is
   lower, and logs it: the sysctl only caps what each FUSE file system may ask for) and carries
   ``max_background`` itself; READ replies are written by 4 threads outside the GIL (a reply
   across cached blocks is one ``writev`` of the blocks themselves), so the copy into the page

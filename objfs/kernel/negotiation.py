@@ -36,9 +36,11 @@ _WANTED = (
     | p.INIT_EXT
 )
 _PAGE = 4096
-# The largest request objfs asks for: 4 MiB (the kernel's own cap was 256 pages before 6.13
-# and is fs.fuse.max_pages_limit since; objfs raises that sysctl to this when root).
-MAX_PAGES = 1024
+# The largest request objfs asks for: 8 MiB (the kernel's own cap was 256 pages before 6.13
+# and is fs.fuse.max_pages_limit since; objfs raises that sysctl to this when root). A cold
+# load's READs, each a hand-off between threads or three, halve from 4 MiB ones; 16 MiB cost
+# more (tests/benchmarks/README.md).
+MAX_PAGES = 2048
 
 
 @dataclass
