@@ -1,12 +1,12 @@
 """objfs's own FUSE transport (``--fuse-transport kernel``) through real mounts of moto.
 
 The semantics are those of the pyfuse3 transport (the same core answers): these tests check
-what the transport itself owns: INIT (what it negotiated, shown by ``objfs status``), every
-request objfs answers with the same bytes and errnos, READDIRPLUS over many entries, mmap,
-interrupted readers, and a clean end on unmount and on SIGTERM while files are open; and
-passthrough: no READ reaches the daemon, a damaged cache file is served normally and repaired,
-a held handle keeps its version through a replacement and an eviction and after a kill -9,
-and an unmount (lazy or aborted) in the middle of a read.
+what the transport itself owns: INIT (what it negotiated, shown by ``objfs status``; 8 MiB
+requests as root), every request objfs answers with the same bytes and errnos, READDIRPLUS
+over many entries, mmap, interrupted readers, and a clean end on unmount and on SIGTERM while
+files are open; and passthrough: no READ reaches the daemon, a damaged cache file is served
+normally and repaired, a held handle keeps its version through a replacement and an eviction
+and after a kill -9, and an unmount (lazy or aborted) in the middle of a read.
 """
 
 from __future__ import annotations
@@ -98,6 +98,25 @@ def test_a_kernel_transport_mount_serves_the_tree(
     text = run_objfs("status", str(m.path))
     assert "kernel transport" in text.stdout
     assert "FUSE transport kernel: protocol 7." in m.log()
+
+
+@pytest.mark.skipif(
+    os.geteuid() != 0 or not os.path.exists("/proc/sys/fs/fuse/max_pages_limit"),
+    reason="needs root and fs.fuse.max_pages_limit (Linux 6.13+) for requests over 1 MiB",
+)
+def test_a_root_mount_takes_8_mib_requests(mount_s3: Any, s3: Any, bucket: str) -> None:
+    """As root objfs raises the sysctl and asks for 8 MiB requests: a sequential read of a
+    24 MiB file arrives in 3 to 4 READs (a cold load's READs are hand-offs between threads:
+    half as many as with 4 MiB ones), and its bytes are the object's."""
+    data = os.urandom(24 * MiB)
+    put_many(s3, bucket, {"big/shard.bin": data})
+    m: Mount = mount_s3(f"s3://{bucket}/big", *KERNEL)
+    status = fresh_status(m.path)
+    assert status["fuse"]["max_request_bytes"] == 8 * MiB
+    before = status["served"]["reads"]
+    assert sha256((m.path / "shard.bin").read_bytes()) == sha256(data)
+    reads = fresh_status(m.path)["served"]["reads"] - before
+    assert 3 <= reads <= 4, reads
 
 
 def test_the_kernel_transport_is_read_only_with_the_same_errnos(
