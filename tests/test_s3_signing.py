@@ -1,5 +1,7 @@
 """objfs.backends.s3_signing signs a data GET exactly as botocore's S3SigV4Auth does for the
-same request and second (header for header), over the URL shapes a bucket's objects take;
+same request and second (header for header), over the URL shapes a bucket's objects take
+(hand-written, and made by real clients: path and virtual addressing, keys with the
+characters S3 allows); ``signed_get`` follows rotated credentials and refuses missing ones;
 the signing key is derived once per day, region and secret."""
 
 from __future__ import annotations
@@ -7,15 +9,19 @@ from __future__ import annotations
 import datetime
 import hashlib
 import hmac
+from typing import Any
 from unittest import mock
 
 import botocore.auth
+import botocore.config
 import botocore.credentials
+import botocore.exceptions
+import botocore.session
 import pytest
 from botocore.awsrequest import AWSRequest
 
 from objfs.backends import s3_signing
-from objfs.backends.s3_signing import ObjectUrl, sign_get
+from objfs.backends.s3_signing import ObjectUrl, ObjectUrls, sign_get
 
 WHEN = datetime.datetime(2026, 12, 5, 23, 59, 58)
 
@@ -80,3 +86,72 @@ def test_the_signing_key_is_derived_once_per_day_region_and_secret() -> None:
     for n in range(s3_signing._SIGNING_KEYS + 3):  # the table stays bounded
         sign_get(target, {}, "AK", f"s{n}", None, "us-east-1", "20261205T000000Z", keys)
     assert len(keys) <= s3_signing._SIGNING_KEYS
+
+
+KEYS = [
+    "m/model-00001-of-00002.safetensors",
+    "m/a b+c=d~e!f'g(h)i*j.bin",
+    "m//double//slash/",
+    "m/\u00e9t\u00e9/\u30e2\u30c7\u30eb.bin",
+    "m/%41%2F?#&;.bin",
+    "m/./../dots",
+]
+
+
+def session(access: str = "AKIAIOSFODNN7EXAMPLE", secret: str | None = "s3cr3t") -> Any:
+    s = botocore.session.get_session()
+    s.set_credentials(access, secret, None)
+    return s
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "style"),
+    [
+        ("http://127.0.0.1:9000", "path"),
+        ("http://[::1]:9000", "path"),
+        ("https://s3.example.com:8443/prefix", "path"),
+        (None, "virtual"),
+        (None, "path"),
+    ],
+)
+def test_urls_real_clients_make_are_signed_as_botocore_signs_them(
+    endpoint: str | None, style: str
+) -> None:
+    sess = session()
+    client = sess.create_client(
+        "s3",
+        region_name="eu-west-1",
+        endpoint_url=endpoint,
+        config=botocore.config.Config(s3={"addressing_style": style}),
+    )
+    urls = ObjectUrls(sess, no_sign_request=False)
+    headers = {"Range": "bytes=0-1048575", "User-Agent": "objfs", "If-Match": '"e1"'}
+    creds = ("AKIAIOSFODNN7EXAMPLE", "s3cr3t", None)
+    fixed = WHEN.timetuple()
+    for key in KEYS:
+        with mock.patch.object(s3_signing.time, "gmtime", return_value=fixed):
+            url, ours = urls.signed_get(client, "my-bucket.v2", key, headers)
+        assert "?" not in url
+        assert ours == botocore_headers(url, headers, creds, "eu-west-1"), key
+
+
+def test_signed_get_follows_rotated_credentials_and_refuses_missing_ones() -> None:
+    sess = session("AKIAOLD", "old-secret")
+    client = sess.create_client("s3", region_name="us-east-1", endpoint_url="http://127.0.0.1:9")
+    urls = ObjectUrls(sess, no_sign_request=False)
+    fixed = WHEN.timetuple()
+    with mock.patch.object(s3_signing.time, "gmtime", return_value=fixed):
+        _, before = urls.signed_get(client, "b", "k", {})
+        sess.set_credentials("AKIANEW", "new-secret", "tok")
+        url, after = urls.signed_get(client, "b", "k", {})
+    assert before["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKIAOLD/")
+    assert after["Authorization"].startswith("AWS4-HMAC-SHA256 Credential=AKIANEW/")
+    assert after == botocore_headers(url, {}, ("AKIANEW", "new-secret", "tok"), "us-east-1")
+    assert "new-secret" not in repr(urls.__dict__)  # keys are derived from a hash of it
+    sess.set_credentials("AKIANEW", None, None)
+    with pytest.raises(botocore.exceptions.NoCredentialsError):
+        urls.signed_get(client, "b", "k", {})
+    anonymous = ObjectUrls(sess, no_sign_request=True)
+    url, plain = anonymous.signed_get(client, "b", "k", {"Range": "bytes=0-0"})
+    assert plain == {"Range": "bytes=0-0"}
+    assert url.endswith("/b/k")

@@ -13,7 +13,7 @@ per GET (a fifth of a cold load's per-GET Python): the signature is the one boto
 for the same request and second (``tests/test_s3_signing.py`` compares the two), for a GET with
 no body, whose payload hash is that of the empty string. The signing key, four HMACs of the
 secret, is derived once per day, region and secret, and kept in memory beside the credentials
-it comes from (never logged).
+it comes from, memoized under a hash of the secret (never logged).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 _URL_EXPIRY_S = 900
 # Object URLs remembered (a model's files many times over); the table is emptied when full.
 _URL_CACHE_KEYS = 4096
-# Signing keys remembered ((secret, day, region) -> key); the table is emptied when full.
+# Signing keys remembered ((SHA-256 of the secret, day, region) -> key); emptied when full.
 _SIGNING_KEYS = 16
 _EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 _UNSIGNED_HEADERS = frozenset(SIGNED_HEADERS_BLACKLIST)
@@ -73,7 +73,9 @@ def sign_get(
     """``headers`` plus SigV4 headers (``X-Amz-Date``, ``X-Amz-Security-Token`` with a session
     token, ``X-Amz-Content-SHA256``, ``Authorization``) for a GET of ``target`` at
     ``amz_date`` (``YYYYMMDDTHHMMSSZ``), as botocore's S3SigV4Auth signs it; ``keys``
-    memoizes the signing keys."""
+    memoizes the signing keys. ``headers`` are a data GET's own (Range, If-Match,
+    User-Agent): none of the names this adds, no ``Date`` or ``Authorization``, and no name
+    twice in different cases (botocore would rewrite those; this signs them as given)."""
     out = dict(headers)
     out["X-Amz-Date"] = amz_date
     if token:
@@ -101,7 +103,7 @@ def sign_get(
     to_sign = "\n".join(
         ("AWS4-HMAC-SHA256", amz_date, scope, hashlib.sha256(canonical.encode()).hexdigest())
     )
-    cached = (secret_key, day, region)
+    cached = (hashlib.sha256(secret_key.encode()).hexdigest(), day, region)
     key = keys.get(cached) if keys is not None else None
     if key is None:
         key = f"AWS4{secret_key}".encode()
