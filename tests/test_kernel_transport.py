@@ -26,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from objfs.kernel import mounting
 from tests.conftest import Mount, fresh_status, put_many, run_objfs, sha256
 
 MiB = 1 << 20
@@ -102,14 +103,10 @@ def test_a_kernel_transport_mount_serves_the_tree(
 
 def _pages_limit_can_be_2048() -> bool:
     """fs.fuse.max_pages_limit (Linux 6.13+) is 2048 or more, or this root process may raise
-    it (not in a container whose /proc/sys is read-only)."""
-    path = "/proc/sys/fs/fuse/max_pages_limit"
-    try:
-        with open(path, encoding="ascii") as f:
-            limit = int(f.read())
-    except (OSError, ValueError):
-        return False
-    return limit >= 2048 or (os.geteuid() == 0 and os.access(path, os.W_OK))
+    it (not in a container whose /proc/sys is read-only; without the sysctl the cap is 256)."""
+    if mounting.max_pages_limit() >= 2048:
+        return True
+    return os.geteuid() == 0 and os.access(mounting._MAX_PAGES_LIMIT, os.W_OK)
 
 
 @pytest.mark.skipif(
