@@ -1187,8 +1187,23 @@ def _wanted(name: str, only: list[str]) -> bool:
     return not only or any(o in name for o in only)
 
 
+def round_order(names: list[str], rnd: int) -> list[str]:
+    """The order of round ``rnd``: every name once, the round's first ``names[rnd % n]``, then
+    every ``stride``-th name after it, the stride the round's number coprime to ``n`` (1, then
+    3, 5, 7 for eight jobs; the last, n - 1, is the reverse order). A job's place and the job
+    run just before it change from round to round: a plain rotation kept every job's
+    predecessor, and a job pays for the memory its predecessor left behind (the page cache
+    it dropped, freed memory the host took back), so one neighbour weighed on all of its runs.
+    """
+    n = len(names)
+    strides = [s for s in range(1, n) if math.gcd(s, n) == 1] or [1]
+    stride = strides[rnd % len(strides)]
+    return [names[(rnd + i * stride) % n] for i in range(n)]
+
+
 def run_rounds(b: Bench, pass_: str, jobs: dict[str, Callable[[], dict[str, float]]]) -> None:
-    """Round-robin ``--runs`` rounds over ``jobs``; slow jobs get fewer rounds."""
+    """``--runs`` rounds over ``jobs``, each in its own order (``round_order``); slow jobs get
+    fewer rounds."""
     if not jobs:
         return
     allowed = dict.fromkeys(jobs, b.args.runs)
@@ -1200,8 +1215,7 @@ def run_rounds(b: Bench, pass_: str, jobs: dict[str, Callable[[], dict[str, floa
                     b.results.note(pass_, name, "fewer runs: --max-minutes reached")
             print(f"  [{pass_}] --max-minutes reached: no more rounds", flush=True)
             break
-        order = list(jobs)
-        order = order[rnd % len(order) :] + order[: rnd % len(order)]
+        order = round_order(list(jobs), rnd)
         for name in order:
             if rnd >= allowed[name]:
                 continue

@@ -93,7 +93,7 @@ class Timeline:
                 time.perf_counter(),
                 env.process_cpu(self.server.pid),
                 self.server.bytes_sent(),
-                sum(thread_cpu(self.daemon).values()),
+                sum(v for k, v in thread_cpu(self.daemon).items() if k.endswith(("user", "sys"))),
                 env.machine_cpu()[0],
             )
         )
