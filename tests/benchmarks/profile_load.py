@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 
 from tests.benchmarks import bench_env as env
-from tests.benchmarks.bench_models import t_cat, t_load, tp_load
+from tests.benchmarks.bench_models import SHAPED_DELAY_S, SHAPED_RATE, t_cat, t_load, tp_load
 
 CLK = os.sysconf("SC_CLK_TCK")
 
@@ -160,6 +160,12 @@ def main() -> None:
     )
     p.add_argument("--cat", action="store_true", help="cat the shards instead of loading them")
     p.add_argument(
+        "--shaped",
+        action="store_true",
+        help="mount through make bench's shaping proxy (10 ms to first byte, 50 MB/s per "
+        "connection), as in its shaped pass",
+    )
+    p.add_argument(
         "--torch-io",
         type=int,
         default=None,
@@ -185,6 +191,7 @@ def main() -> None:
     model = env.build_model(spec, env.REPO / ".bench" / "data")
     server = env.start_s3rver(work / "s3rver.log")
     cache = env.PageCache()
+    proxy: env.ProxyProc | None = None
     try:
         client = env.s3_client(server.url)
         env.upload_tree(client, model, env.MODEL_BUCKET)
@@ -192,7 +199,11 @@ def main() -> None:
         # Untimed warm-up, as make bench does: the first load imports torch and safetensors
         # (about 2 CPU s in this process, which the cold load would otherwise include).
         t_load(sorted(model.glob("*.safetensors")))
-        os.environ["AWS_ENDPOINT_URL"] = server.url
+        endpoint = server.url
+        if args.shaped:
+            proxy = env.start_proxy(server.port, SHAPED_DELAY_S, SHAPED_RATE)
+            endpoint = proxy.url
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
         reported_prev = env.host_reported_mib()  # at the end of the previous load
         for run in range(args.runs):
             cache_dir = None if args.no_cache_dir else work / f"cache{run}"
@@ -207,7 +218,7 @@ def main() -> None:
                     mnt,
                     cache_dir,
                     work / "objfs.log",
-                    ["--endpoint-url", server.url, *args.extra.split()],
+                    ["--endpoint-url", endpoint, *args.extra.split()],
                 )
             for phase in ("cold", "remount"):
                 if phase == "remount" and (cache_dir is None or args.cold_only or args.binding):
@@ -371,6 +382,8 @@ def main() -> None:
     finally:
         if args.keep_log and (work / "objfs.log").exists():
             shutil.copy(work / "objfs.log", args.keep_log)
+        if proxy is not None:
+            proxy.stop()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
 
