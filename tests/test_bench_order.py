@@ -34,8 +34,8 @@ def test_a_job_follows_a_different_job_in_each_of_the_first_rounds(n: int) -> No
 
 
 def test_the_eight_job_pass_of_three_rounds() -> None:
-    # The s3 pass's objfs rows: the main row followed "objfs torch_io" in rounds 2 and 3 under
-    # the old rotation.
+    # A pass of objfs's rows (``--only objfs``): the main row ("A") first, "objfs torch_io"
+    # ("H") last; under the old rotation "A" followed "H" in every round after the first.
     names = list("ABCDEFGH")
     orders = ["".join(round_order(names, rnd)) for rnd in range(3)]
     assert orders == ["ABCDEFGH", "BEHCFADG", "CHEBGDAF"]
