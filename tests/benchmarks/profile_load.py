@@ -134,6 +134,13 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--no-cache-dir", action="store_true")
     p.add_argument(
+        "--cache-root",
+        default="",
+        help="put each run's --cache-dir under this directory (default: the run's work "
+        "directory), e.g. a RAM-backed file system, to tell the disk device's cost from the "
+        "daemon's",
+    )
+    p.add_argument(
         "--py-spy", default="", help="py-spy record the daemon's first load into this file"
     )
     p.add_argument("--py-spy-rate", type=int, default=100, help="py-spy's samples per second")
@@ -206,7 +213,8 @@ def main() -> None:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         reported_prev = env.host_reported_mib()  # at the end of the previous load
         for run in range(args.runs):
-            cache_dir = None if args.no_cache_dir else work / f"cache{run}"
+            cache_root = Path(args.cache_root) if args.cache_root else work
+            cache_dir = None if args.no_cache_dir else cache_root / f"objfs-prof-cache{run}"
             mnt = work / "mnt"
             if args.binding:
                 name, cmd = "binding ceiling", env.binding_ceiling_cmd(model, mnt)
@@ -386,6 +394,9 @@ def main() -> None:
             proxy.stop()
         server.stop()
         shutil.rmtree(work, ignore_errors=True)
+        if args.cache_root:
+            for run in range(args.runs):
+                shutil.rmtree(Path(args.cache_root) / f"objfs-prof-cache{run}", ignore_errors=True)
 
 
 if __name__ == "__main__":
