@@ -200,6 +200,8 @@ def main() -> None:
     server = env.start_s3rver(work / "s3rver.log")
     cache = env.PageCache()
     proxy: env.ProxyProc | None = None
+    cache_root = Path(args.cache_root) if args.cache_root else work
+    cache_dirs: list[Path] = []  # removed at the end (those under --cache-root are not in work)
     try:
         client = env.s3_client(server.url)
         env.upload_tree(client, model, env.MODEL_BUCKET)
@@ -214,8 +216,9 @@ def main() -> None:
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         reported_prev = env.host_reported_mib()  # at the end of the previous load
         for run in range(args.runs):
-            cache_root = Path(args.cache_root) if args.cache_root else work
             cache_dir = None if args.no_cache_dir else cache_root / f"objfs-prof-cache{run}"
+            if cache_dir is not None:
+                cache_dirs.append(cache_dir)
             mnt = work / "mnt"
             if args.binding:
                 name, cmd = "binding ceiling", env.binding_ceiling_cmd(model, mnt)
@@ -394,10 +397,8 @@ def main() -> None:
         if proxy is not None:
             proxy.stop()
         server.stop()
-        shutil.rmtree(work, ignore_errors=True)
-        if args.cache_root:
-            for run in range(args.runs):
-                shutil.rmtree(Path(args.cache_root) / f"objfs-prof-cache{run}", ignore_errors=True)
+        for path in [work, *cache_dirs]:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 if __name__ == "__main__":
