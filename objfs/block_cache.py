@@ -224,7 +224,11 @@ class ReplyGate:
 
 class BlockCache:
     """Fresh and used blocks plus reservations, bounded together by ``capacity_bytes``; with
-    the reply buffers' share (:class:`ReplyGate`), by ``budget_bytes`` (``--memory-limit``)."""
+    the reply buffers' share (:class:`ReplyGate`), by ``budget_bytes`` (``--memory-limit``).
+
+    The budget may move between its base and ``ceiling_bytes`` (:meth:`set_budget`). After it
+    shrank, the bytes charged may exceed the new capacity: nothing is reserved then until
+    evictions bring them under it, so they only go down until they fit."""
 
     def __init__(
         self,
@@ -233,17 +237,24 @@ class BlockCache:
         *,
         block_size: int = 1 << 20,
         reply_bytes: int = 0,
+        ceiling_bytes: int | None = None,
     ) -> None:
         if not 0 <= reply_bytes < budget_bytes:
             raise ValueError(f"reply share {reply_bytes} does not fit a {budget_bytes}-byte budget")
-        self.budget_bytes = budget_bytes
+        self.budget_bytes = self.base_budget_bytes = budget_bytes
+        self.ceiling_bytes = max(budget_bytes, ceiling_bytes or 0)
         self.capacity_bytes = budget_bytes - reply_bytes
-        self.used_limit_bytes = (
+        self.used_limit_bytes = self.base_used_limit_bytes = (
             self.capacity_bytes if used_limit_bytes is None else used_limit_bytes
         )
         self.block_size = block_size
-        # Free buffers plus cached blocks stay within the budget's worth of buffers.
-        self.pool = BufferPool(block_size, max(1, budget_bytes // block_size))
+        # Free buffers plus cached blocks stay within the budget's worth of buffers; the
+        # arena is mapped for the ceiling, and only the budget's share of it is handed out.
+        self.pool = BufferPool(
+            block_size,
+            max(1, budget_bytes // block_size),
+            reserve_mapped=self.ceiling_bytes // block_size,
+        )
         self.replies = ReplyGate(reply_bytes, self)
         self._used: OrderedDict[BlockKey, Block] = OrderedDict()
         self._used_bytes = 0
@@ -303,6 +314,23 @@ class BlockCache:
     def _wake_waiters(self) -> None:
         self._space.set()
         self._space = trio.Event()
+
+    def set_budget(self, budget_bytes: int) -> None:
+        """Move the budget to ``budget_bytes``, kept between the base budget and the ceiling;
+        the capacity, the used blocks' cap and the buffers handed out follow it, the reply
+        share stays. A larger budget wakes the fetches waiting for memory; a smaller one
+        reserves nothing until evictions (orphans and used blocks first, as always) bring
+        the bytes charged under it."""
+        budget = min(max(budget_bytes, self.base_budget_bytes), self.ceiling_bytes)
+        if budget == self.budget_bytes:
+            return
+        grew = budget > self.budget_bytes
+        self.budget_bytes = budget
+        self.capacity_bytes = budget - self.replies.capacity_bytes
+        self.used_limit_bytes = self.base_used_limit_bytes * budget // self.base_budget_bytes
+        self.pool.set_active(budget // self.block_size)
+        if grew:
+            self._wake()
 
     def try_reserve(self, nbytes: int, *, demand: bool) -> Reservation | None:
         """Reserve ``nbytes`` now, evicting blocks if needed; None if it cannot."""
@@ -569,6 +597,7 @@ class BlockCache:
             "peak_bytes": self.peak_bytes,
             "capacity_bytes": self.capacity_bytes,
             "budget_bytes": self.budget_bytes,
+            "ceiling_bytes": self.ceiling_bytes,
             "reply_bytes": self.replies.used_bytes,
             "reply_peak_bytes": self.replies.peak_bytes,
             "reply_capacity_bytes": self.replies.capacity_bytes,

@@ -43,20 +43,27 @@ class BufferPool:
     no free slot, a buffer gets a mapping of its own, unmapped on release (counted in
     ``buffers_overflow``; the block cache's budget keeps that rare).
 
+    The arena may be mapped larger than it is used (``reserve_mapped`` slots): only the first
+    ``active`` slots are handed out (``set_active``, as the block cache's budget grows and
+    shrinks). Slots past ``active`` hold no memory once free: they are given back to the
+    system (``MADV_DONTNEED``) when ``active`` shrinks below them, or when they are released
+    after that, so the memory of a grown budget goes back to the system with the budget.
+
     Invariant: a slot is either free (in ``_free``) or owned by exactly one ``Buffer`` handed
     out and not yet released; ``release`` of a buffer twice raises (arena slot or not).
     Thread-safe (the disk writer releases buffers from worker threads).
     """
 
-    def __init__(self, buffer_size: int, max_mapped: int) -> None:
+    def __init__(self, buffer_size: int, max_mapped: int, reserve_mapped: int = 0) -> None:
         if buffer_size % mmap.PAGESIZE:
             raise ValueError(f"buffer size {buffer_size} is not a multiple of the page size")
         self.buffer_size = buffer_size
-        self.max_mapped = max_mapped
+        self.max_mapped = max(max_mapped, reserve_mapped)
+        self.active = max_mapped  # slots handed out: the first `active` of the arena
         # Private, not mmap's default shared mapping: shared anonymous memory is shmem, every
         # page of it faulted and zeroed through the shmem layer.
         self._arena = mmap.mmap(
-            -1, buffer_size * max_mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            -1, buffer_size * self.max_mapped, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
         )
         # Transparent huge pages where the kernel offers them on request (the usual
         # "madvise" setting): 2 MiB pages instead of 4 KiB ones. Every byte of a block is
@@ -67,16 +74,38 @@ class BufferPool:
             with contextlib.suppress(OSError):
                 self._arena.madvise(mmap.MADV_HUGEPAGE)
         self._all = memoryview(self._arena)
-        self._free = bytearray(b"\x01") * max_mapped  # 1: the slot is free
+        self._free = bytearray(b"\x01") * self.max_mapped  # 1: the slot is free
         self._cursor = 0  # where the next run's search starts
         self._lock = threading.Lock()
         self.in_use = 0  # buffers handed out and not released (arena or own mapping)
         self.overflow = 0  # buffers that got a mapping of their own (arena full)
 
+    def set_active(self, count: int) -> None:
+        """Hand out the first ``count`` slots of the arena (at most its mapped slots); free
+        slots past it give their memory back to the system now, slots in use when released."""
+        count = max(1, min(count, self.max_mapped))
+        with self._lock:
+            old, self.active = self.active, count
+            if count >= old:
+                return
+            self._cursor = min(self._cursor, count)
+            first = None
+            for slot in range(count, old + 1):
+                if slot < old and self._free[slot]:
+                    if first is None:
+                        first = slot
+                elif first is not None:
+                    self._give_back(first, slot - first)
+                    first = None
+
+    def _give_back(self, slot: int, count: int) -> None:
+        size = self.buffer_size
+        self._arena.madvise(mmap.MADV_DONTNEED, slot * size, count * size)
+
     def acquire(self) -> Buffer:
         """One buffer, from the arena's far end if a slot is free."""
         with self._lock:
-            slot = self._free.rfind(1)
+            slot = self._free.rfind(1, 0, self.active)
             if slot >= 0:
                 return self._take(slot)
             self.in_use += 1
@@ -87,15 +116,15 @@ class BufferPool:
         """``count`` buffers, in adjacent slots when the arena has such a run free."""
         with self._lock:
             pattern = b"\x01" * count
-            slot = self._free.find(pattern, self._cursor)
+            slot = self._free.find(pattern, self._cursor, self.active)
             if slot < 0:
-                slot = self._free.find(pattern)
+                slot = self._free.find(pattern, 0, self.active)
             if slot >= 0:
                 self._cursor = slot + count
                 return [self._take(s) for s in range(slot, slot + count)]
             out = []
             for _ in range(count):
-                slot = self._free.find(1)
+                slot = self._free.find(1, 0, self.active)
                 if slot < 0:
                     break
                 out.append(self._take(slot))
@@ -127,6 +156,8 @@ class BufferPool:
                 if self._free[buf.slot]:
                     raise AssertionError(f"buffer slot {buf.slot} released twice")
                 self._free[buf.slot] = 1
+                if buf.slot >= self.active:
+                    self._give_back(buf.slot, 1)
             self.in_use -= 1
         buf.slot = _RELEASED
 
@@ -145,5 +176,6 @@ class BufferPool:
         return {
             "buffers_in_use": self.in_use,
             "buffers_overflow": self.overflow,
-            "buffers_capacity": self.max_mapped,
+            "buffers_capacity": self.active,
+            "buffers_mapped": self.max_mapped,
         }

@@ -350,6 +350,10 @@ class MountConfig:
     part_size_bytes: int = 8 << 20
     # In-flight plus buffered blocks; see default_memory_limit().
     memory_limit_bytes: int = 1 << 30
+    # How far the budget may grow while several handles read one large file version
+    # (tensor-parallel ranks); None: it stays memory_limit_bytes (an explicit --memory-limit).
+    # See default_memory_ceiling() and objfs.fs.FileSystem.fit_budget.
+    memory_ceiling_bytes: int | None = None
     # First read-ahead window of a stream, doubled per sequential read (Mountpoint starts at
     # about 1 MiB too).
     readahead_initial_bytes: int = 1 << 20
@@ -382,13 +386,15 @@ class MountConfig:
     s3: S3Options = field(default_factory=S3Options)
     azure: AzureOptions = field(default_factory=AzureOptions)
 
-    def readahead_max(self) -> int:
+    def readahead_max(self, budget: int | None = None) -> int:
+        """The read-ahead share of ``budget`` (default: ``memory_limit_bytes``)."""
         if self.readahead_max_bytes is not None:
             return self.readahead_max_bytes
         # Half the budget; and from the budget above 112 MiB (what the shares of read blocks,
         # replies and demand fetches need at the default) up to 128 MiB: the default 240 MiB
         # budget keeps the 16 parts in flight of the earlier 256 MiB default.
-        budget = self.memory_limit_bytes
+        if budget is None:
+            budget = self.memory_limit_bytes
         return max(self.part_size_bytes, budget // 2, min(128 << 20, budget - (112 << 20)))
 
     def kernel_timeout_s(self) -> float:
@@ -434,6 +440,27 @@ def default_memory_limit() -> int:
     load took as long with 512 MiB as with 256 MiB (tests/benchmarks/profile_load.py), and
     several GiB made a fifth of the daemon's CPU page zeroing."""
     return max(64 << 20, min(DEFAULT_MEMORY_LIMIT, available_memory_bytes() // 4))
+
+
+#: At most this many times the default budget while several handles read one file version.
+MEMORY_GROWTH = 4
+
+
+def default_memory_ceiling() -> int:
+    """Where the default budget may grow while several handles read one large file version:
+    four times the default (960 MiB), or a quarter of the available memory if that is less.
+
+    Tensor-parallel ranks each read their part of every tensor, so a version read by N
+    handles keeps blocks fetched for the slower ranks until they reach them: with four
+    ranks on 2 cores the ranks drifted further apart than 240 MiB holds, and the blocks
+    fetched for the slowest were evicted unread (read back from the disk cache, or fetched
+    again) while the leader's own reads fetched single blocks (372-523 GETs for the 264
+    parts of one loader). 720 MiB and 1 GiB held them (264 GETs, none evicted unread;
+    tests/benchmarks/README.md). An explicit ``--memory-limit`` never grows."""
+    return max(
+        default_memory_limit(),
+        min(MEMORY_GROWTH * DEFAULT_MEMORY_LIMIT, available_memory_bytes() // 4),
+    )
 
 
 def redact_url(url: str) -> str:

@@ -21,6 +21,7 @@ Everything runs on the trio thread.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import overload
 
@@ -29,7 +30,7 @@ import trio
 from objfs.availability import StoreAvailability
 from objfs.backends.base import Backend
 from objfs.block_cache import BlockCache
-from objfs.config import MountConfig
+from objfs.config import MEMORY_GROWTH, MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.errors import (
     BadFileHandleError,
@@ -75,6 +76,7 @@ class FileSystem:
             used_limit,
             block_size=config.block_size_bytes,
             reply_bytes=reply_bytes,
+            ceiling_bytes=config.memory_ceiling_bytes,
         )
         self.disk = disk
         # Store outages seen by metadata requests, and what is served meanwhile.
@@ -238,12 +240,12 @@ class FileSystem:
             readahead = node.readahead = Readahead(
                 node.size,
                 initial_window=self.config.readahead_initial_bytes,
-                max_window=self.config.readahead_max(),
+                max_window=self.config.readahead_max(self.cache.budget_bytes),
             )
         handle = Handle(fh, node, node.key, node.etag, node.size, readahead, node.served)
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
-        self._share_windows()
+        self._fit_budget()
         if prefetch and first_open and node.key.endswith(self.config.prefetch_on_open_suffixes):
             whole = readahead.start_whole_file()
             if whole is not None:
@@ -256,14 +258,30 @@ class FileSystem:
                 )
         return fh, keep_cache
 
-    def _share_windows(self) -> None:
-        """Split the read-ahead share of the budget (``readahead_max``, about half) among the
-        open handles that can use it, so concurrent streams do not evict each other's unread
-        blocks. Handles of one version share one read-ahead state, whose streams each get
-        this share (not a share per version: that filled the budget with blocks the slower
-        of several tensor-parallel ranks had not read)."""
+    def _fit_budget(self) -> None:
+        """Size the memory budget for the open handles, then share its read-ahead part.
+
+        While N handles read one large version (more than a part: tensor-parallel ranks,
+        forked workers), the budget is N times its base, at most ``MEMORY_GROWTH`` times and
+        at most ``memory_ceiling_bytes`` (None: it never grows), and it shrinks back as they
+        close: each rank's part of a tensor waits in memory until that rank reaches it, so
+        the blocks held grow with the ranks' drift, which a base budget for one reader did
+        not hold (see ``config.default_memory_ceiling``)."""
         big = [h for h in self._handles.values() if h.size > self.config.part_size_bytes]
-        share = self.config.readahead_max() // max(1, len(big))
+        ceiling = self.config.memory_ceiling_bytes
+        if ceiling is not None:
+            readers = max(Counter((h.key, h.etag) for h in big).values(), default=1)
+            base = self.config.memory_limit_bytes
+            self.cache.set_budget(min(ceiling, base * min(readers, MEMORY_GROWTH)))
+        self._share_windows(big)
+
+    def _share_windows(self, big: list[Handle]) -> None:
+        """Split the read-ahead share of the budget (``readahead_max``, about half) among the
+        open handles in ``big`` (those that can use it), so concurrent streams do not evict
+        each other's unread blocks. Handles of one version share one read-ahead state, whose
+        streams each get this share (not a share per version: that filled the budget with
+        blocks the slower of several tensor-parallel ranks had not read)."""
+        share = self.config.readahead_max(self.cache.budget_bytes) // max(1, len(big))
         window = max(self.config.part_size_bytes, share)
         for readahead in {id(h.readahead): h.readahead for h in big}.values():
             readahead.max_window = window
@@ -286,9 +304,9 @@ class FileSystem:
             for stream in handle.readahead.streams:
                 stream.scheduled_until = min(stream.scheduled_until, stream.next_offset)
         self.names.maybe_free(handle.node)
-        self._share_windows()
         self.fetcher.cancel(handle)
         self.cache.close_version(handle.key, handle.etag)
+        self._fit_budget()
 
     def _handle(self, fh: int) -> Handle:
         try:

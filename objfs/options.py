@@ -32,6 +32,7 @@ from objfs.config import (
     MountConfig,
     S3Options,
     available_memory_bytes,
+    default_memory_ceiling,
     default_memory_limit,
     parse_id,
     parse_size,
@@ -197,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--memory-limit",
         metavar="SIZE",
         help="budget for in-flight and buffered data (default: 240M, or a quarter of the "
-        "machine's or cgroup's memory if that is less, at least 64M)",
+        "machine's or cgroup's memory if that is less, at least 64M; the default grows up to "
+        "4x while several handles read one file, e.g. tensor-parallel ranks; a value given "
+        "here never grows)",
     )
     perf.add_argument(
         "--cache-dir",
@@ -533,6 +536,7 @@ def mount_config(args: argparse.Namespace) -> MountConfig:
         azure=azure,
         part_size_bytes=part_size,
         memory_limit_bytes=memory_limit,
+        memory_ceiling_bytes=default_memory_ceiling() if args.memory_limit is None else None,
         cache_dir=None if args.cache_dir is None else os.path.abspath(args.cache_dir),
         cache_size_bytes=parse_size(args.cache_size, option="--cache-size"),
         cache_min_free_bytes=None
