@@ -1,7 +1,8 @@
 """Stateful property test of the FUSE-free core: random programs against invariants.
 
 Hypothesis draws a world (one to four files of 0-40 MiB, some ``*.safetensors``; a memory
-budget of 16-64 MiB; 1 MiB blocks and 2-8 MiB parts; a store latency; with or without a disk
+budget of 16-64 MiB, which may grow to 2 or 4 times that while handles share a version; 1 MiB
+blocks and 2-8 MiB parts; a store latency; with or without a disk
 cache, whose cap may be small enough to evict versions that handles still read; a store with
 ETags or one that sends none, whose versions are pinned by size and last-modified second) and
 a program of one to three mounts. Each mount is a new ``FileSystem`` over the same
@@ -22,8 +23,12 @@ After every step:
   pinned, then the read-ahead it asks for), a third of the reads each, or raised an
   ``ObjfsError`` with a cause: the handle was closed, the object replaced, or an injected
   store failure happened during the read;
-* ``0 <= fs.cache.used_bytes <= capacity_bytes``, ``inflight_bytes >= 0``, the reply
-  buffers within their share, and the peak of both together within ``--memory-limit`` (plus,
+* the budget is ``--memory-limit`` times the most handles open on one version larger than a
+  part (at most 4), within its ceiling (the world's growth: 1, 2 or 4 budgets; 1 is an
+  explicit ``--memory-limit``, which never grows);
+* ``0 <= fs.cache.used_bytes <= capacity_bytes``, or, after the budget shrank, at most the
+  capacity it had when the bytes last fitted; ``inflight_bytes >= 0``, the reply
+  buffers within their share, and the peak of both together within the ceiling (plus,
   only for a read larger than the reply share, which the kernel never sends, its excess).
 
 At the end of each mount, after closing every handle and letting the background work end:
@@ -39,6 +44,7 @@ import os
 import random
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TypeVar
@@ -165,6 +171,7 @@ class Mount:
 class World:
     files: tuple[tuple[int, bool], ...]  # (size, is *.safetensors)
     budget: int
+    growth: int  # the budget's ceiling in budgets: 1 never grows (an explicit --memory-limit)
     parts: tuple[int, ...]  # part size of mount i: parts[i % len(parts)]
     latency_s: float
     connections: int
@@ -192,6 +199,7 @@ worlds = st.builds(
     World,
     files=st.lists(st.tuples(sizes, st.booleans()), min_size=1, max_size=4).map(tuple),
     budget=st.sampled_from([16 * MiB, 32 * MiB, 64 * MiB]),
+    growth=st.sampled_from([1, 2, 4]),
     # A remount may use larger parts (the disk cache is keyed by block size only), so a fetch
     # may find some blocks of its part on disk and not the others.
     parts=st.sampled_from(
@@ -280,6 +288,7 @@ class Model:
     largest_read: int = 0
     reads: int = 0  # every other read goes as objfs's own transport does it (see read)
     answered_now: int = 0  # reads answered from memory with no await (read_nowait)
+    fitted_capacity: int = 0  # the capacity when the bytes charged last fitted it
 
     def config(self) -> MountConfig:
         return MountConfig(
@@ -291,6 +300,9 @@ class Model:
             block_size_bytes=BLOCK,
             part_size_bytes=self.part,
             memory_limit_bytes=self.world.budget,
+            memory_ceiling_bytes=None
+            if self.world.growth == 1
+            else self.world.growth * self.world.budget,
             s3=S3Options(max_connections=self.world.connections),
         )
 
@@ -308,7 +320,7 @@ class Model:
             raise TransientStoreError(f"injected: {op} {key} failed")
 
     def read_ahead_slack(self) -> int:
-        return self.config().readahead_max() + self.part
+        return self.config().readahead_max(self.world.growth * self.world.budget) + self.part
 
     def handle(self, slot: int) -> OpenHandle | None:
         return self.handles[slot % len(self.handles)] if self.handles else None
@@ -401,13 +413,26 @@ class Model:
         stats = self.fs.cache.statistics()
         assert not self.violations, f"after {step}: {self.violations}"
         assert stats["inflight_bytes"] >= 0, f"after {step}: {stats}"
-        assert 0 <= self.fs.cache.used_bytes <= stats["capacity_bytes"], f"after {step}: {stats}"
+        used = self.fs.cache.used_bytes
+        # Within the capacity; over it only after the budget shrank (its handles closed),
+        # and then never more than the capacity it had when the bytes last fitted.
+        if used <= stats["capacity_bytes"]:
+            self.fitted_capacity = stats["capacity_bytes"]
+        assert 0 <= used <= self.fitted_capacity, f"after {step}: {stats}"
+        # The budget: the base times the most handles open on one version larger than a
+        # part (at most 4), within the ceiling.
+        sharing = Counter((h.file, h.version) for h in self.handles if len(h.data) > self.part)
+        readers = min(4, max(sharing.values(), default=1))
+        expected = min(self.world.growth, readers) * self.world.budget
+        assert stats["budget_bytes"] == expected, f"after {step}: {readers} readers, {stats}"
+        assert stats["ceiling_bytes"] == self.world.growth * self.world.budget, stats
+        assert stats["capacity_bytes"] + stats["reply_capacity_bytes"] == stats["budget_bytes"]
         # Reply buffers have their own share of the same budget; together within it.
         oversize = max(0, self.largest_read - stats["reply_capacity_bytes"])
         assert 0 <= stats["reply_bytes"] <= stats["reply_capacity_bytes"] + oversize, (
             f"after {step}: {stats}"
         )
-        assert stats["peak_bytes"] <= stats["budget_bytes"] + oversize, f"after {step}: {stats}"
+        assert stats["peak_bytes"] <= stats["ceiling_bytes"] + oversize, f"after {step}: {stats}"
 
     async def open(self, file: int) -> None:
         faults = self.faults_fired

@@ -1,0 +1,235 @@
+"""The memory budget grows while several handles read one large version, and shrinks back.
+
+``objfs.fs.FileSystem._fit_budget``: the base budget (``--memory-limit``) times the most
+handles open on one version larger than a part, at most ``MEMORY_GROWTH`` times and at most
+``memory_ceiling_bytes`` (None, an explicit ``--memory-limit``: it never grows). The block
+cache's capacity, its used blocks' cap and the pool's slots follow it
+(``BlockCache.set_budget``); slots past the budget give their memory back to the system
+(``BufferPool.set_active``). The core property test (tests/test_core_properties.py) checks the
+budget and the bytes charged against it after every step of random programs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import trio
+import trio.testing
+
+from objfs.backends.memory import MemoryBackend
+from objfs.block_cache import BlockCache, BlockKey
+from objfs.buffer_pool import BufferPool
+from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_limit
+from objfs.fs import FileSystem
+from objfs.options import build_parser, mount_config
+from tests.test_read_path import config, open_file
+
+MiB = 1024 * 1024
+
+
+def _arena_rss(pool: BufferPool) -> int:
+    """Resident bytes of ``pool``'s arena (from /proc/self/smaps)."""
+    first_byte = ctypes.c_char.from_buffer(pool._arena)
+    address = ctypes.addressof(first_byte)
+    del first_byte  # it holds an export of the arena
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("Rss:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_pool_hands_out_its_active_slots_only_and_gives_the_others_memory_back() -> None:
+    pool = BufferPool(MiB, 4, reserve_mapped=16)
+    assert (pool.active, pool.max_mapped) == (4, 16)
+    pool.set_active(16)
+    held = pool.acquire_run(12)
+    assert [b.slot for b in held] == list(range(12))
+    for buf in held:
+        buf.view[:] = b"\x01" * MiB  # touched: resident
+    assert _arena_rss(pool) >= 12 * MiB
+    for buf in held[2:10]:
+        pool.release(buf)
+    pool.set_active(4)  # slots 4-9 are free: their memory goes back now
+    assert _arena_rss(pool) <= 6 * MiB + 2 * MiB  # slots 0, 1, 10, 11 (a huge page of slack)
+    again = pool.acquire_run(3)  # slots 2-3 are the only free active ones: one is own-mapped
+    assert sorted(b.slot for b in again) == [-1, 2, 3]
+    assert pool.statistics()["buffers_overflow"] == 1
+    for buf in held[10:]:  # in use past the budget until now: given back on release
+        pool.release(buf)
+    assert _arena_rss(pool) <= 4 * MiB + 2 * MiB
+    for buf in [*held[:2], *again]:
+        pool.release(buf)
+    assert pool.in_use == 0
+    assert pool.acquire().slot == 3  # singles from the far end of the active slots
+    pool.set_active(100)  # clamped to the mapping
+    assert pool.active == 16
+
+
+def _keys(count: int) -> list[BlockKey]:
+    return [BlockKey("k", "e", n) for n in range(count)]
+
+
+async def test_a_cache_budget_moves_between_its_base_and_ceiling() -> None:
+    cache = BlockCache(8 * MiB, 4 * MiB, reply_bytes=MiB, ceiling_bytes=32 * MiB)
+    assert (cache.capacity_bytes, cache.used_limit_bytes) == (7 * MiB, 4 * MiB)
+    cache.set_budget(64 * MiB)  # clamped to the ceiling
+    assert (cache.budget_bytes, cache.capacity_bytes, cache.used_limit_bytes) == (
+        32 * MiB,
+        31 * MiB,
+        16 * MiB,
+    )
+    cache.set_budget(MiB)  # and to the base
+    assert (cache.budget_bytes, cache.capacity_bytes) == (8 * MiB, 7 * MiB)
+    fixed = BlockCache(8 * MiB, reply_bytes=MiB)  # no ceiling: an explicit --memory-limit
+    fixed.set_budget(32 * MiB)
+    assert fixed.budget_bytes == 8 * MiB
+
+
+async def test_a_grown_budget_wakes_a_waiting_fetch_and_a_shrunk_one_reserves_nothing_over_it(
+    nursery: trio.Nursery,
+) -> None:
+    cache = BlockCache(8 * MiB, reply_bytes=MiB, ceiling_bytes=16 * MiB)
+    keys = _keys(7)
+    cache.open_version("k", "e")  # an open handle's blocks: fresh, not orphans
+    reservation = cache.try_reserve(7 * MiB, demand=False)
+    assert reservation is not None
+    assert cache.claim(keys) == keys
+    for key, block in zip(keys, cache.new_blocks([MiB] * 7), strict=True):
+        cache.put(key, block, reservation)  # fresh: no prefetch may evict them
+    cache.finish(keys)
+    got: list[int] = []
+
+    async def prefetch() -> None:
+        more = await cache.reserve(4 * MiB, demand=False)
+        got.append(more.remaining)
+        more.release()
+
+    nursery.start_soon(prefetch)
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == []  # the budget is full of unread blocks
+    cache.set_budget(16 * MiB)
+    await trio.testing.wait_all_tasks_blocked()
+    assert got == [4 * MiB]
+    cache.set_budget(4 * MiB)  # below the base: the base
+    assert cache.capacity_bytes == 7 * MiB
+    assert cache.try_reserve(MiB, demand=False) is None  # 7 MiB unread, none may go
+    for key in keys[:3]:
+        assert cache.get_nowait(key) is not None  # read: used, evictable
+    assert cache.try_reserve(3 * MiB, demand=False) is not None  # by evicting those three
+    assert cache.used_bytes == 7 * MiB
+    assert cache.statistics()["evicted_unread"] == 0
+
+
+def _fs(backend: MemoryBackend, nursery: trio.Nursery, ceiling: int | None) -> FileSystem:
+    fs = FileSystem(
+        backend,
+        config(memory_limit_bytes=16 * MiB, part_size_bytes=4 * MiB, memory_ceiling_bytes=ceiling),
+    )
+    fs.start(nursery)
+    return fs
+
+
+async def test_handles_sharing_one_large_version_grow_the_budget_until_they_close(
+    nursery: trio.Nursery,
+) -> None:
+    backend = MemoryBackend()
+    for name, size in [("a.bin", 8 * MiB), ("b.bin", 8 * MiB), ("small.json", 4 * MiB)]:
+        backend.put(f"p/{name}", os.urandom(size))
+    fs = _fs(backend, nursery, ceiling=48 * MiB)
+    budget = lambda: fs.cache.budget_bytes  # noqa: E731
+    small = [await open_file(fs, "small.json") for _ in range(3)]  # a part or less: no growth
+    assert budget() == 16 * MiB
+    a = [await open_file(fs, "a.bin")]
+    assert budget() == 16 * MiB
+    a.append(await open_file(fs, "a.bin"))
+    assert budget() == 32 * MiB
+    # The read-ahead share of the grown budget, split between the two large handles.
+    assert fs._handles[a[0]].readahead.max_window == fs.config.readahead_max(32 * MiB) // 2
+    assert fs.config.readahead_max(32 * MiB) // 2 > fs.config.readahead_max() // 2
+    b = [await open_file(fs, "b.bin") for _ in range(2)]  # two versions, two handles each
+    assert budget() == 32 * MiB
+    a += [await open_file(fs, "a.bin") for _ in range(3)]  # five: the ceiling, 3x
+    assert budget() == 48 * MiB
+    for fh in a[:4]:
+        fs.release(fh)
+    assert budget() == 32 * MiB  # b's two handles
+    for fh in [*b, a[4], *small]:
+        fs.release(fh)
+    assert budget() == 16 * MiB
+    assert fs.cache.pool.active == 16
+
+
+async def test_an_explicit_memory_limit_never_grows(nursery: trio.Nursery) -> None:
+    backend = MemoryBackend()
+    backend.put("p/a.bin", os.urandom(8 * MiB))
+    fs = _fs(backend, nursery, ceiling=None)
+    for _ in range(4):
+        await open_file(fs, "a.bin")
+    assert fs.cache.budget_bytes == fs.cache.statistics()["ceiling_bytes"] == 16 * MiB
+
+
+def test_the_default_budget_grows_and_a_given_one_does_not() -> None:
+    parser = build_parser()
+    default = mount_config(parser.parse_args(["mount", "s3://bkt/p", "/mnt"]))
+    assert default.memory_limit_bytes == default_memory_limit()
+    assert default.memory_ceiling_bytes == default_memory_ceiling()
+    assert default_memory_limit() <= default_memory_ceiling()
+    assert default_memory_ceiling() <= MEMORY_GROWTH * default_memory_limit()
+    given = mount_config(parser.parse_args(["mount", "s3://bkt/p", "/mnt", "--memory-limit", "1G"]))
+    assert given.memory_ceiling_bytes is None
+
+
+async def _ranks(fs: FileSystem, data: bytes, tensor: int) -> list[bytes]:
+    """Four tensor-parallel ranks, each reading its quarter of every ``tensor``-byte tensor in
+    128 KiB reads: rank 0 all of its quarters first, then the other three side by side (the
+    drift of a rank that got the CPU first). Returns what each rank read."""
+    handles = [await open_file(fs, "model.bin") for _ in range(4)]
+    quarter = tensor // 4
+    out = [bytearray() for _ in handles]
+
+    async def rank(r: int) -> None:
+        for start in range(r * quarter, len(data), tensor):
+            for offset in range(start, start + quarter, 128 * 1024):
+                out[r] += await fs.read(handles[r], offset, 128 * 1024)
+
+    await rank(0)
+    async with trio.open_nursery() as ranks:
+        for r in range(1, 4):
+            ranks.start_soon(rank, r)
+    for fh in handles:
+        fs.release(fh)
+    return [bytes(b) for b in out]
+
+
+async def test_ranks_that_drift_apart_fetch_each_byte_once_in_a_grown_budget(
+    nursery: trio.Nursery,
+) -> None:
+    """With the base budget alone, the quarters fetched ahead for the slower ranks are
+    evicted unread by the leader's own fetches and fetched again; grown for four handles,
+    the budget holds them, and every byte is fetched once."""
+    tensor = 8 * MiB
+    data = os.urandom(6 * tensor)
+    fetched = {}
+    for ceiling in (None, 4 * 16 * MiB):
+        backend = MemoryBackend(latency_s=0.001)
+        backend.put("p/model.bin", data)
+        fs = _fs(backend, nursery, ceiling)
+        got = await _ranks(fs, data, tensor)
+        quarter = tensor // 4
+        for r in range(4):
+            expected = b"".join(
+                data[s : s + quarter] for s in range(r * quarter, len(data), tensor)
+            )
+            assert got[r] == expected, r
+        stats = fs.cache.statistics()
+        fetched[ceiling] = (backend.statistics()["get_bytes"], stats["evicted_unread"])
+    assert fetched[None][0] > len(data), fetched  # fetched again what was evicted unread
+    assert fetched[None][1] > 0, fetched
+    assert fetched[4 * 16 * MiB] == (len(data), 0), fetched
