@@ -172,6 +172,8 @@ class Telemetry:
                 "reply_bytes": fs.get("reply_bytes", 0),
                 "peak_bytes": fs.get("peak_bytes", 0),
                 "limit_bytes": fs.get("budget_bytes", self.config.memory_limit_bytes),
+                # Where the default budget may grow while handles share a version.
+                "ceiling_bytes": fs.get("ceiling_bytes", self.config.memory_limit_bytes),
             },
             "disk": disk,
             # --cache-proxy: bytes through the engine and straight from the store meanwhile.
@@ -370,7 +372,15 @@ class _Collector:
             memory["used_bytes"],
         )
         yield gauge(
-            "objfs_memory_limit_bytes", "The memory budget (--memory-limit).", memory["limit_bytes"]
+            "objfs_memory_limit_bytes",
+            "The memory budget now (--memory-limit; the default grows while several handles "
+            "read one file).",
+            memory["limit_bytes"],
+        )
+        yield gauge(
+            "objfs_memory_ceiling_bytes",
+            "Where the memory budget may grow (the --memory-limit given: no growth).",
+            memory["ceiling_bytes"],
         )
         yield gauge(
             "objfs_memory_peak_bytes", "Highest memory budget use so far.", memory["peak_bytes"]

@@ -148,6 +148,12 @@ def _size(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _grows_to(memory: dict[str, Any]) -> str:
+    """' (grows to X)' where the budget may grow (the default --memory-limit), else ''."""
+    ceiling = memory.get("ceiling_bytes", 0)
+    return f" (grows to {_size(ceiling)})" if ceiling > memory["limit_bytes"] else ""
+
+
 def _duration(seconds: float) -> str:
     seconds = int(seconds)
     days, rest = divmod(seconds, 86400)
@@ -194,7 +200,8 @@ def format_status(s: dict[str, Any]) -> str:
         f"  requests      {requests['get']} GET, {requests['list']} LIST, {requests['head']} HEAD;"
         f" {store['in_flight']} in flight, {errors} failed"
         + (f" ({error_kinds})" if error_kinds else ""),
-        f"  memory cache  {_size(memory['used_bytes'])} of {_size(memory['limit_bytes'])} used "
+        f"  memory cache  {_size(memory['used_bytes'])} of {_size(memory['limit_bytes'])}"
+        f"{_grows_to(memory)} used "
         f"(peak {_size(memory['peak_bytes'])}); {memory['hits']} block hits, "
         f"{memory['misses']} blocks loaded",
     ]

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from objfs.config import default_memory_ceiling, default_memory_limit
 from objfs.demo import LocalServer, free_port
 from objfs.mountinfo import mount_entry
 from tests.conftest import mount_command, run_mount, sha256
@@ -69,6 +70,7 @@ def test_metrics_counters_follow_reads(
     assert sample(before, "objfs_store_fetched_bytes_total") == 0
     assert sample(before, "objfs_store_requests_total", operation="get") == 0
     assert sample(before, "objfs_memory_limit_bytes") == 256 * MiB
+    assert sample(before, "objfs_memory_ceiling_bytes") == 256 * MiB  # given: never grows
     info = [k for k in before if k[0] == "objfs_info"]
     assert dict(info[0][1])["source"] == f"s3://{bucket}/m/"
     assert dict(info[0][1])["mountpoint"] == str(m.path)
@@ -125,6 +127,63 @@ def test_metrics_counters_follow_reads(
     assert "5.0 MiB in" in text.stdout  # served
     assert f"http://127.0.0.1:{port}/metrics" in text.stdout
     assert objfs("status", "--probe", str(m.path), env=runtime_env).returncode == 0
+
+
+def test_the_default_budget_grows_while_processes_share_a_file_and_shrinks_after(
+    mount_s3: Any, s3: Any, bucket: str, runtime_env: dict[str, str]
+) -> None:
+    """Three processes with the same 24 MiB file open (more than a part): the default budget
+    is three times its base until they close it; each reads the whole file, byte for byte."""
+    weights = os.urandom(24 * MiB)
+    s3.put_object(Bucket=bucket, Key="m/model.bin", Body=weights)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}/metrics"
+    m = mount_s3(f"s3://{bucket}/m", "--metrics-addr", f"127.0.0.1:{port}", env=runtime_env)
+    base = sample(scrape(url), "objfs_memory_limit_bytes")
+    ceiling = sample(scrape(url), "objfs_memory_ceiling_bytes")
+    assert base == default_memory_limit()
+    assert ceiling == default_memory_ceiling()
+    # Each process opens the file, says so, waits for a line, then reads it whole.
+    reader = (
+        "import hashlib, sys\n"
+        "f = open(sys.argv[1], 'rb')\n"
+        "print('open', flush=True)\n"
+        "sys.stdin.readline()\n"
+        "print(hashlib.sha256(f.read()).hexdigest(), flush=True)\n"
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", reader, str(m.path / "model.bin")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(3)
+    ]
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline() == "open\n"
+        assert sample(scrape(url), "objfs_memory_limit_bytes") == min(ceiling, 3 * base)
+        wait_for(
+            "`objfs status` to show the grown budget",
+            lambda: (
+                status_json(m.path, runtime_env)["memory"]["limit_bytes"] == min(ceiling, 3 * base)
+            ),
+        )
+        shown = objfs("status", str(m.path), env=runtime_env).stdout
+        assert (f"(grows to {ceiling / MiB:.1f} MiB)" in shown) == (ceiling > 3 * base), shown
+        digests = [p.communicate("go\n", timeout=60)[0].strip() for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(timeout=30)
+    assert digests == [sha256(weights)] * 3
+    wait_for(
+        "the budget to shrink back",
+        lambda: sample(scrape(url), "objfs_memory_limit_bytes") == base,
+    )
+    assert sample(scrape(url), "objfs_store_fetched_bytes_total") == len(weights)
 
 
 def test_errors_are_counted_by_kind(
