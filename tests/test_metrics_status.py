@@ -162,7 +162,8 @@ def test_the_default_budget_grows_while_processes_share_a_file_and_shrinks_after
     ]
     try:
         for p in procs:
-            assert p.stdout is not None and p.stdout.readline() == "open\n"
+            assert p.stdout is not None
+            assert p.stdout.readline() == "open\n"
         assert sample(scrape(url), "objfs_memory_limit_bytes") == min(ceiling, 3 * base)
         wait_for(
             "`objfs status` to show the grown budget",
