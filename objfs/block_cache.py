@@ -319,8 +319,8 @@ class BlockCache:
         """Move the budget to ``budget_bytes``, kept between the base budget and the ceiling;
         the capacity, the used blocks' cap and the buffers handed out follow it, the reply
         share stays. A larger budget wakes the fetches waiting for memory; a smaller one
-        reserves nothing until evictions (orphans and used blocks first, as always) bring
-        the bytes charged under it."""
+        evicts orphans and used blocks down to it at once, and reserves nothing until the
+        bytes charged are under it (fresh and pinned blocks leave as they always do)."""
         budget = min(max(budget_bytes, self.base_budget_bytes), self.ceiling_bytes)
         if budget == self.budget_bytes:
             return
@@ -330,6 +330,20 @@ class BlockCache:
         self.used_limit_bytes = self.base_used_limit_bytes * budget // self.base_budget_bytes
         self.pool.set_active(budget // self.block_size)
         if grew:
+            self._wake()
+            return
+        # Give the memory back now, not at the next fetch (an idle daemon would keep it):
+        # orphans and used blocks go, down to the new capacity and the used blocks' cap;
+        # fresh blocks stay (open handles will read them), and so do pinned ones.
+        evicted = self.evictions
+        while self._charged > self.capacity_bytes and self._evict_one(demand=False):
+            pass
+        while self._used_bytes > self.used_limit_bytes:
+            victim = self._used_victim()
+            if victim is None:
+                break
+            self._evict_from(self._used, victim)
+        if self.evictions != evicted:
             self._wake()
 
     def try_reserve(self, nbytes: int, *, demand: bool) -> Reservation | None:

@@ -127,6 +127,37 @@ async def test_a_grown_budget_wakes_a_waiting_fetch_and_a_shrunk_one_reserves_no
     assert cache.statistics()["evicted_unread"] == 0
 
 
+def test_a_shrunk_budget_gives_back_orphans_and_used_blocks_at_once() -> None:
+    """After the handles that grew the budget close, an idle daemon does not keep the grown
+    memory: what no open handle will read goes down to the base capacity and used cap."""
+    cache = BlockCache(8 * MiB, 2 * MiB, reply_bytes=MiB, ceiling_bytes=32 * MiB)
+    cache.set_budget(32 * MiB)
+    cache.open_version("k", "e")
+    cache.open_version("gone", "e")
+    groups = {"read": _keys(10), "fresh": [BlockKey("k", "e", n) for n in range(10, 14)]}
+    groups["orphans"] = [BlockKey("gone", "e", n) for n in range(12)]
+    for keys in groups.values():
+        reservation = cache.try_reserve(len(keys) * MiB, demand=False)
+        assert reservation is not None
+        assert cache.claim(keys) == keys
+        for key, block in zip(keys, cache.new_blocks([MiB] * len(keys)), strict=True):
+            cache.put(key, block, reservation)
+        cache.finish(keys)
+    for key in groups["read"]:
+        assert cache.get_nowait(key) is not None  # used (the cap grew with the budget: 8 MiB)
+    cache.close_version("gone", "e")  # its 12 fresh blocks are orphans now
+    assert cache.used_bytes == (8 + 4 + 12) * MiB  # 2 read blocks already over the cap
+    assert cache.pool.in_use == 24
+    cache.set_budget(8 * MiB)
+    # 4 fresh blocks stay; the used ones go down to the 2 MiB cap, the orphans all go.
+    assert cache.used_bytes == 6 * MiB
+    assert all(cache.peek(k) is not None for k in groups["fresh"])
+    assert all(cache.peek(k) is None for k in groups["orphans"])
+    assert [k.block for k in groups["read"] if cache.peek(k) is not None] == [8, 9]
+    assert cache.pool.in_use == 6
+    assert cache.statistics()["evicted_unread"] == 0
+
+
 def _fs(backend: MemoryBackend, nursery: trio.Nursery, ceiling: int | None) -> FileSystem:
     fs = FileSystem(
         backend,

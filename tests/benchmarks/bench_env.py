@@ -576,9 +576,16 @@ class MountProc(Child):
             return {}
 
     def peak_rss_mib(self) -> float:
+        return self._status_mib("VmHWM")
+
+    def rss_mib(self) -> float:
+        """The daemon's resident memory now."""
+        return self._status_mib("VmRSS")
+
+    def _status_mib(self, field: str) -> float:
         try:
             for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
+                if line.startswith(f"{field}:"):
                     return int(line.split()[1]) / 1024
         except OSError:
             pass

@@ -382,7 +382,8 @@ def main() -> None:
                         fetched_before = status["store"]["bytes_fetched"]
                         print(
                             f"{measure:8s} {elapsed:6.2f} s  daemon {total / gb:.2f} CPU s/GB "
-                            f"rss {m.peak_rss_mib():.0f} MiB {delta} reads, "
+                            f"rss {m.peak_rss_mib():.0f} MiB (now {m.rss_mib():.0f}) "
+                            f"{delta} reads, "
                             f"fetched {sent / nbytes:.3f}x during the load, "
                             f"{fetched / nbytes:.3f}x by the status 1.2 s later (the backfill) "
                             f"[{top}] disk {status['disk']} "
