@@ -131,6 +131,11 @@ class Block:
         self._maybe_free()
 
 
+def _slot(block: Block) -> int:
+    """The pool slot of ``block``'s buffer (-1: none, or a mapping of its own)."""
+    return -1 if block.buffer is None else block.buffer.slot
+
+
 class Reservation:
     """Bytes of the budget held by one fetch. ``put`` spends them on blocks; ``release``
     gives back what is left, exactly once."""
@@ -319,8 +324,9 @@ class BlockCache:
         """Move the budget to ``budget_bytes``, kept between the base budget and the ceiling;
         the capacity, the used blocks' cap and the buffers handed out follow it, the reply
         share stays. A larger budget wakes the fetches waiting for memory; a smaller one
-        evicts orphans and used blocks down to it at once, and reserves nothing until the
-        bytes charged are under it (fresh and pinned blocks leave as they always do)."""
+        evicts orphans and used blocks down to it at once (and those in the grown slots), and
+        reserves nothing until the bytes charged are under it (fresh and pinned blocks leave
+        as they always do)."""
         budget = min(max(budget_bytes, self.base_budget_bytes), self.ceiling_bytes)
         if budget == self.budget_bytes:
             return
@@ -333,8 +339,9 @@ class BlockCache:
             self._wake()
             return
         # Give the memory back now, not at the next fetch (an idle daemon would keep it):
-        # orphans and used blocks go, down to the new capacity and the used blocks' cap;
-        # fresh blocks stay (open handles will read them), and so do pinned ones.
+        # orphans and used blocks go, down to the new capacity and the used blocks' cap, and
+        # any in a slot past the new budget's; fresh blocks stay (open handles will read
+        # them), and so do pinned ones.
         evicted = self.evictions
         while self._charged > self.capacity_bytes and self._evict_one(demand=False):
             pass
@@ -343,6 +350,11 @@ class BlockCache:
             if victim is None:
                 break
             self._evict_from(self._used, victim)
+        # And those left in slots past the budget's: their memory goes back to the system.
+        active = self.pool.active
+        for blocks in (self._orphans, self._used):
+            for key in [k for k, b in blocks.items() if not b.pins and _slot(b) >= active]:
+                self._evict_from(blocks, key)
         if self.evictions != evicted:
             self._wake()
 

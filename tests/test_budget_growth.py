@@ -149,12 +149,13 @@ def test_a_shrunk_budget_gives_back_orphans_and_used_blocks_at_once() -> None:
     assert cache.used_bytes == (8 + 4 + 12) * MiB  # 2 read blocks already over the cap
     assert cache.pool.in_use == 24
     cache.set_budget(8 * MiB)
-    # 4 fresh blocks stay; the used ones go down to the 2 MiB cap, the orphans all go.
-    assert cache.used_bytes == 6 * MiB
-    assert all(cache.peek(k) is not None for k in groups["fresh"])
+    # The 4 fresh blocks stay; the orphans all go; the used ones go down to the 2 MiB cap,
+    # and the two left (in slots 8 and 9) go too: they are past the base budget's 8 slots.
+    assert [k.block for k in groups["read"] if cache.peek(k) is not None] == []
     assert all(cache.peek(k) is None for k in groups["orphans"])
-    assert [k.block for k in groups["read"] if cache.peek(k) is not None] == [8, 9]
-    assert cache.pool.in_use == 6
+    assert all(cache.peek(k) is not None for k in groups["fresh"])
+    assert cache.used_bytes == 4 * MiB
+    assert cache.pool.in_use == 4
     assert cache.statistics()["evicted_unread"] == 0
 
 
