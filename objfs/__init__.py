@@ -75,7 +75,11 @@ Memory has one owner at a time: every byte of the budget belongs to a fetch in f
 reservation, given back exactly once, whatever happens), to a live block (cached, or evicted
 while the disk writer still holds it), or to a reply being assembled (a read across blocks whose
 buffers are not adjacent, a random read fetched around the cache: these have a share of the
-budget, a sixteenth of it between 1 and 16 MiB, and wait when it is full). Block buffers are
+budget, a sixteenth of it between 1 and 16 MiB, and wait when it is full). The default budget
+grows while several handles read one large file (N handles: N times, at most 4 times and a
+quarter of memory), since tensor-parallel ranks each read their part of every tensor and the
+parts fetched for the slower ranks wait in memory; it shrinks as they close, evicting what no
+open handle will read and giving the grown slots' memory back. Block buffers are
 slots of one arena, and a fetch takes adjacent slots for its part, so most reads across two
 blocks (the kernel's requests are not block-aligned) are answered with one view of both, without
 a copy (``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks
