@@ -23,6 +23,7 @@ from objfs.buffer_pool import BufferPool
 from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_limit
 from objfs.fs import FileSystem
 from objfs.options import build_parser, mount_config
+from tests.helpers.rss import smaps_field
 from tests.test_read_path import config, open_file
 
 MiB = 1024 * 1024
@@ -33,16 +34,9 @@ def _arena_rss(pool: BufferPool) -> int:
     first_byte = ctypes.c_char.from_buffer(pool._arena)
     address = ctypes.addressof(first_byte)
     del first_byte  # it holds an export of the arena
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith("Rss:"):
-                return int(line.split()[1]) * 1024
-    raise AssertionError(f"no mapping holds {address:#x}")
+    value, unit = smaps_field(address, "Rss")
+    assert unit == "kB", unit
+    return int(value) * 1024
 
 
 def test_a_pool_hands_out_its_active_slots_only_and_gives_the_others_memory_back() -> None:
