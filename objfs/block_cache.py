@@ -4,7 +4,9 @@ Ownership, in one sentence: **every byte in the budget belongs either to a Reser
 fetch in flight) or to a live Block (cached, or evicted but still pinned by the disk writer),
 and only a Reservation's or a Block's own methods move bytes into or out of the one counter**
 (``_charged``: reserved plus cached plus held bytes). So every pooled buffer in use is inside
-``capacity_bytes``, the disk tier's write queue included.
+``capacity_bytes``, the disk tier's write queue included (the capacity when the bytes were
+reserved: a budget that shrinks leaves them over it until they are read or unpinned, see
+``set_budget``).
 
 * A fetch reserves bytes first (``reserve``/``try_reserve`` return a :class:`Reservation`),
   then claims the blocks it will fill. ``put`` moves one block's bytes from the reservation to
@@ -232,8 +234,8 @@ class BlockCache:
     the reply buffers' share (:class:`ReplyGate`), by ``budget_bytes`` (``--memory-limit``).
 
     The budget may move between its base and ``ceiling_bytes`` (:meth:`set_budget`). After it
-    shrank, the bytes charged may exceed the new capacity: nothing is reserved then until
-    evictions bring them under it, so they only go down until they fit."""
+    shrank, the bytes charged may stay over the new capacity in fresh blocks of open handles
+    and pinned ones (everything else goes at once); reservations then wait as at any budget."""
 
     def __init__(
         self,
@@ -323,25 +325,32 @@ class BlockCache:
     def set_budget(self, budget_bytes: int) -> None:
         """Move the budget to ``budget_bytes``, kept between the base budget and the ceiling;
         the capacity, the used blocks' cap and the buffers handed out follow it, the reply
-        share stays. A larger budget wakes the fetches waiting for memory; a smaller one
-        evicts orphans and used blocks down to it at once (and those in the grown slots), and
-        reserves nothing until the bytes charged are under it (fresh and pinned blocks leave
-        as they always do)."""
+        share stays. A larger budget wakes the fetches waiting for memory.
+
+        At a smaller or the same budget, orphans and used blocks are evicted at once down to
+        the capacity and the used blocks' cap, and so are those whose buffers lie in slots
+        past the budget's (their memory goes back to the system): what stays of a grown
+        budget is only fresh blocks that open handles will read and blocks the disk writer
+        pins, and an idle daemon does not keep the rest until its next fetch (this runs at
+        every open and release, so the last close of a shared version counts too). Until
+        the bytes charged fit, reservations wait as at any budget (a reader's own fetch
+        passes when nothing else is reserved)."""
         budget = min(max(budget_bytes, self.base_budget_bytes), self.ceiling_bytes)
-        if budget == self.budget_bytes:
+        if budget != self.budget_bytes:
+            grew = budget > self.budget_bytes
+            self.budget_bytes = budget
+            self.capacity_bytes = budget - self.replies.capacity_bytes
+            self.used_limit_bytes = self.base_used_limit_bytes * budget // self.base_budget_bytes
+            self.pool.set_active(budget // self.block_size)
+            if grew:
+                self._wake()
+                return
+        if (
+            self._charged <= self.capacity_bytes
+            and self._used_bytes <= self.used_limit_bytes
+            and not self.pool.past_active()
+        ):
             return
-        grew = budget > self.budget_bytes
-        self.budget_bytes = budget
-        self.capacity_bytes = budget - self.replies.capacity_bytes
-        self.used_limit_bytes = self.base_used_limit_bytes * budget // self.base_budget_bytes
-        self.pool.set_active(budget // self.block_size)
-        if grew:
-            self._wake()
-            return
-        # Give the memory back now, not at the next fetch (an idle daemon would keep it):
-        # orphans and used blocks go, down to the new capacity and the used blocks' cap, and
-        # any in a slot past the new budget's; fresh blocks stay (open handles will read
-        # them), and so do pinned ones.
         evicted = self.evictions
         while self._charged > self.capacity_bytes and self._evict_one(demand=False):
             pass
@@ -350,7 +359,6 @@ class BlockCache:
             if victim is None:
                 break
             self._evict_from(self._used, victim)
-        # And those left in slots past the budget's: their memory goes back to the system.
         active = self.pool.active
         for blocks in (self._orphans, self._used):
             for key in [k for k, b in blocks.items() if not b.pins and _slot(b) >= active]:

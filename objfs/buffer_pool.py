@@ -98,6 +98,11 @@ class BufferPool:
                     self._give_back(first, slot - first)
                     first = None
 
+    def past_active(self) -> int:
+        """Buffers in use in slots past ``active`` (handed out before it shrank)."""
+        with self._lock:
+            return self.max_mapped - self.active - self._free.count(1, self.active)
+
     def _give_back(self, slot: int, count: int) -> None:
         size = self.buffer_size
         self._arena.madvise(mmap.MADV_DONTNEED, slot * size, count * size)

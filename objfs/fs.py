@@ -242,7 +242,9 @@ class FileSystem:
                 initial_window=self.config.readahead_initial_bytes,
                 max_window=self.config.readahead_max(self.cache.budget_bytes),
             )
-        handle = Handle(fh, node, node.key, node.etag, node.size, readahead, node.served)
+        handle = Handle(
+            fh, node, node.key, node.etag, node.size, readahead, node.served, fetches=prefetch
+        )
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
         self._fit_budget()
@@ -261,18 +263,24 @@ class FileSystem:
     def _fit_budget(self) -> None:
         """Size the memory budget for the open handles, then share its read-ahead part.
 
-        While N handles read one large version (more than a part: tensor-parallel ranks,
-        forked workers), the budget is N times its base, at most ``MEMORY_GROWTH`` times and
-        at most ``memory_ceiling_bytes`` (None: it never grows), and it shrinks back as they
-        close: each rank's part of a tensor waits in memory until that rank reaches it, so
-        the blocks held grow with the ranks' drift, which a base budget for one reader did
-        not hold (see ``config.default_memory_ceiling``)."""
-        big = [h for h in self._handles.values() if h.size > self.config.part_size_bytes]
+        While some large version (more than a part) has several handles that read through
+        objfs (not passthrough: the kernel reads those itself), such as tensor-parallel ranks
+        or forked workers, the budget is its base times the number of such handles on large
+        versions, at most ``MEMORY_GROWTH`` times and at most ``memory_ceiling_bytes`` (None:
+        it never grows). Each rank's part of a tensor waits in memory until that rank reaches
+        it, so the blocks held grow with the ranks' drift, which a base budget for one reader
+        did not hold (see ``config.default_memory_ceiling``). All large handles count, not
+        only one version's: ranks that straddle two shards (three on one, the leader on the
+        next) need as much. Once no version is shared, the budget is back to its base and
+        what no open handle will read is evicted (``BlockCache.set_budget``)."""
+        big = [
+            h for h in self._handles.values() if h.fetches and h.size > self.config.part_size_bytes
+        ]
         ceiling = self.config.memory_ceiling_bytes
         if ceiling is not None:
-            readers = max(Counter((h.key, h.etag) for h in big).values(), default=1)
-            base = self.config.memory_limit_bytes
-            self.cache.set_budget(min(ceiling, base * min(readers, MEMORY_GROWTH)))
+            shared = max(Counter((h.key, h.etag) for h in big).values(), default=0) > 1
+            readers = min(len(big), MEMORY_GROWTH) if shared else 1
+            self.cache.set_budget(min(ceiling, self.config.memory_limit_bytes * readers))
         self._share_windows(big)
 
     def _share_windows(self, big: list[Handle]) -> None:

@@ -72,6 +72,7 @@ class Handle:
     size: int
     readahead: Readahead
     served: bytearray  # the node's, for this version (see Node.served)
+    fetches: bool = True  # False: the kernel reads the disk tier's file itself (passthrough)
 
 
 @dataclass

@@ -173,7 +173,10 @@ class Telemetry:
                 "peak_bytes": fs.get("peak_bytes", 0),
                 "limit_bytes": fs.get("budget_bytes", self.config.memory_limit_bytes),
                 # Where the default budget may grow while handles share a version.
-                "ceiling_bytes": fs.get("ceiling_bytes", self.config.memory_limit_bytes),
+                "ceiling_bytes": fs.get(
+                    "ceiling_bytes",
+                    self.config.memory_ceiling_bytes or self.config.memory_limit_bytes,
+                ),
             },
             "disk": disk,
             # --cache-proxy: bytes through the engine and straight from the store meanwhile.

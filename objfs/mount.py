@@ -136,9 +136,16 @@ async def serve_async(
     except OSError as exc:
         if exc.errno != errno.ENOMEM:
             raise
+        if config.memory_ceiling_bytes is None:
+            raise UsageError(
+                f"--memory-limit: the system refused {config.memory_limit_bytes >> 20}M of memory "
+                f"({exc.strerror}): give less (see free -h, ulimit -v and the cgroup's limit)"
+            ) from None
         raise UsageError(
-            f"--memory-limit: the system refused {config.memory_limit_bytes >> 20}M of memory "
-            f"({exc.strerror}): give less (see free -h, ulimit -v and the cgroup's limit)"
+            f"the system refused {config.memory_ceiling_bytes >> 20}M of address space for the "
+            f"default memory budget ({config.memory_limit_bytes >> 20}M, which grows up to that "
+            f"while several processes read one file; {exc.strerror}): give --memory-limit, "
+            "which never grows (see free -h, ulimit -v and the cgroup's limit)"
         ) from None
     if not has_keys:
         # Mounting an empty prefix is legal (objects may come later), but it is mostly a typo.

@@ -22,9 +22,10 @@ from objfs.block_cache import BlockCache, BlockKey
 from objfs.buffer_pool import BufferPool
 from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_limit
 from objfs.fs import FileSystem
+from objfs.inodes import ROOT_INODE
 from objfs.options import build_parser, mount_config
 from tests.helpers.rss import smaps_field
-from tests.test_read_path import config, open_file
+from tests.test_read_path import config, open_file, settle
 
 MiB = 1024 * 1024
 
@@ -153,10 +154,17 @@ def test_a_shrunk_budget_gives_back_orphans_and_used_blocks_at_once() -> None:
     assert cache.statistics()["evicted_unread"] == 0
 
 
-def _fs(backend: MemoryBackend, nursery: trio.Nursery, ceiling: int | None) -> FileSystem:
+def _fs(
+    backend: MemoryBackend, nursery: trio.Nursery, ceiling: int | None, **options: object
+) -> FileSystem:
     fs = FileSystem(
         backend,
-        config(memory_limit_bytes=16 * MiB, part_size_bytes=4 * MiB, memory_ceiling_bytes=ceiling),
+        config(
+            memory_limit_bytes=16 * MiB,
+            part_size_bytes=4 * MiB,
+            memory_ceiling_bytes=ceiling,
+            **options,
+        ),
     )
     fs.start(nursery)
     return fs
@@ -168,28 +176,76 @@ async def test_handles_sharing_one_large_version_grow_the_budget_until_they_clos
     backend = MemoryBackend()
     for name, size in [("a.bin", 8 * MiB), ("b.bin", 8 * MiB), ("small.json", 4 * MiB)]:
         backend.put(f"p/{name}", os.urandom(size))
-    fs = _fs(backend, nursery, ceiling=48 * MiB)
+    fs = _fs(backend, nursery, ceiling=64 * MiB)
     budget = lambda: fs.cache.budget_bytes  # noqa: E731
     small = [await open_file(fs, "small.json") for _ in range(3)]  # a part or less: no growth
     assert budget() == 16 * MiB
     a = [await open_file(fs, "a.bin")]
-    assert budget() == 16 * MiB
+    b = [await open_file(fs, "b.bin")]
+    assert budget() == 16 * MiB  # two large handles, but no version shared
     a.append(await open_file(fs, "a.bin"))
+    assert budget() == 48 * MiB  # a shared: the three large handles count
+    fs.release(b.pop())
     assert budget() == 32 * MiB
     # The read-ahead share of the grown budget, split between the two large handles.
     assert fs._handles[a[0]].readahead.max_window == fs.config.readahead_max(32 * MiB) // 2
     assert fs.config.readahead_max(32 * MiB) // 2 > fs.config.readahead_max() // 2
-    b = [await open_file(fs, "b.bin") for _ in range(2)]  # two versions, two handles each
-    assert budget() == 32 * MiB
-    a += [await open_file(fs, "a.bin") for _ in range(3)]  # five: the ceiling, 3x
-    assert budget() == 48 * MiB
-    for fh in a[:4]:
+    # Four ranks moving from shard a to shard b: 2 + 2, then 1 + 3, keep the whole growth.
+    a += [await open_file(fs, "a.bin") for _ in range(2)]
+    assert budget() == 64 * MiB
+    for _ in range(3):
+        fs.release(a.pop())
+        b.append(await open_file(fs, "b.bin"))
+        assert budget() == 64 * MiB, (len(a), len(b))
+    b.append(await open_file(fs, "b.bin"))  # five large handles: still 4x (the ceiling here)
+    assert budget() == 64 * MiB
+    for fh in [*a, *b[:3]]:
         fs.release(fh)
-    assert budget() == 32 * MiB  # b's two handles
-    for fh in [*b, a[4], *small]:
+    assert budget() == 16 * MiB  # one large handle left
+    for fh in [*b[3:], *small]:
         fs.release(fh)
     assert budget() == 16 * MiB
     assert fs.cache.pool.active == 16
+
+
+async def test_the_last_close_of_a_shared_version_gives_back_its_unread_blocks(
+    nursery: trio.Nursery,
+) -> None:
+    """Two handles grow the budget and read-ahead fills it; the first close shrinks it while
+    the other handle's unread blocks stay; the last close (the budget already at its base)
+    evicts them too, down to the base capacity, and none is left in a grown slot."""
+    backend = MemoryBackend(latency_s=0.001)
+    backend.put("p/m.safetensors", os.urandom(48 * MiB))  # fetched ahead from its open
+    # A read-ahead window as large as the file, so that it fills any budget.
+    fs = _fs(backend, nursery, ceiling=64 * MiB, readahead_max_bytes=48 * MiB)
+    handles = [await open_file(fs, "m.safetensors") for _ in range(2)]
+    assert fs.cache.budget_bytes == 32 * MiB
+    await fs.read(handles[0], 0, 128 * 1024)
+    await settle()
+    assert fs.cache.used_bytes > 16 * MiB  # past the base budget
+    fs.release(handles[0])
+    assert fs.cache.budget_bytes == 16 * MiB
+    assert fs.cache.used_bytes > fs.cache.capacity_bytes  # the open handle's unread blocks
+    await settle()  # the fetches in flight end; the rest of the file's prefetch waits
+    assert fs.cache.statistics()["inflight_bytes"] == 0
+    fs.release(handles[1])  # checked at once: no fetch may make room meanwhile
+    assert fs.cache.used_bytes <= fs.cache.capacity_bytes
+    assert fs.cache.pool.past_active() == 0
+
+
+async def test_passthrough_handles_do_not_grow_the_budget(nursery: trio.Nursery) -> None:
+    """A handle whose reads the kernel serves from the disk tier's file (``prefetch=False``)
+    fetches nothing: it counts neither for the growth nor for the read-ahead shares."""
+    backend = MemoryBackend()
+    backend.put("p/a.bin", os.urandom(8 * MiB))
+    fs = _fs(backend, nursery, ceiling=64 * MiB)
+    node = await fs.lookup(ROOT_INODE, b"a.bin")
+    for _ in range(3):
+        await fs.open(node.inode, os.O_RDONLY, prefetch=False)
+    assert fs.cache.budget_bytes == 16 * MiB
+    fh = await open_file(fs, "a.bin")
+    assert fs.cache.budget_bytes == 16 * MiB
+    assert fs._handles[fh].readahead.max_window == fs.config.readahead_max()
 
 
 async def test_an_explicit_memory_limit_never_grows(nursery: trio.Nursery) -> None:

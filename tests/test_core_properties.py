@@ -23,9 +23,10 @@ After every step:
   pinned, then the read-ahead it asks for), a third of the reads each, or raised an
   ``ObjfsError`` with a cause: the handle was closed, the object replaced, or an injected
   store failure happened during the read;
-* the budget is ``--memory-limit`` times the most handles open on one version larger than a
-  part (at most 4), within its ceiling (the world's growth: 1, 2 or 4 budgets; 1 is an
-  explicit ``--memory-limit``, which never grows);
+* while a version larger than a part has several handles, the budget is ``--memory-limit``
+  times the handles open on such versions (at most 4), else ``--memory-limit``, within its
+  ceiling (the world's growth: 1, 2 or 4 budgets; 1 is an explicit ``--memory-limit``, which
+  never grows);
 * ``0 <= fs.cache.used_bytes <= capacity_bytes``, or, after the budget shrank, at most the
   capacity it had when the bytes last fitted; ``inflight_bytes >= 0``, the reply
   buffers within their share, and the peak of both together within the ceiling (plus,
@@ -419,10 +420,11 @@ class Model:
         if used <= stats["capacity_bytes"]:
             self.fitted_capacity = stats["capacity_bytes"]
         assert 0 <= used <= self.fitted_capacity, f"after {step}: {stats}"
-        # The budget: the base times the most handles open on one version larger than a
-        # part (at most 4), within the ceiling.
-        sharing = Counter((h.file, h.version) for h in self.handles if len(h.data) > self.part)
-        readers = min(4, max(sharing.values(), default=1))
+        # The budget: while a version larger than a part has several handles, the base
+        # times the handles on such versions (at most 4), within the ceiling.
+        large = Counter((h.file, h.version) for h in self.handles if len(h.data) > self.part)
+        shared = max(large.values(), default=0) > 1
+        readers = min(4, sum(large.values())) if shared else 1
         expected = min(self.world.growth, readers) * self.world.budget
         assert stats["budget_bytes"] == expected, f"after {step}: {readers} readers, {stats}"
         assert stats["ceiling_bytes"] == self.world.growth * self.world.budget, stats

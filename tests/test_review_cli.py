@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 import base64
+import errno
 import json
 import logging
 import os
@@ -30,7 +31,7 @@ from typing import Any
 
 import pytest
 
-from objfs.config import available_memory_bytes
+from objfs.config import available_memory_bytes, default_memory_ceiling, default_memory_limit
 from objfs.credentials import CredentialWatch
 from objfs.demo import LocalServer
 from objfs.mountinfo import mount_entry
@@ -135,6 +136,55 @@ def test_a_memory_limit_the_system_refuses_is_a_usage_error(
         )  # fmt: skip
         line = _one_line(res, 2)
         assert line.startswith("objfs: error: --memory-limit: the system refused 3072M"), line
+
+
+_ARENA_LIMIT = """
+import errno, os
+if os.environ.get("OBJFS_TEST_ARENA_LIMIT"):
+    import objfs.buffer_pool
+
+    _limit = int(os.environ["OBJFS_TEST_ARENA_LIMIT"])
+    _init = objfs.buffer_pool.BufferPool.__init__
+
+    def _refusing(self, buffer_size, max_mapped, reserve_mapped=0):
+        if buffer_size * max(max_mapped, reserve_mapped) > _limit:
+            raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+        _init(self, buffer_size, max_mapped, reserve_mapped)
+
+    objfs.buffer_pool.BufferPool.__init__ = _refusing
+"""
+
+
+def test_a_default_budget_the_system_refuses_names_its_growth_and_the_way_out(
+    s3_server: LocalServer, bucket: str, mnt: Path, tmp_path: Path
+) -> None:
+    """The default budget's arena is mapped for its ceiling (it grows while several processes
+    read one file). Where the system refuses that much (a sitecustomize stands in for a
+    short ``ulimit -v``: a real one first fails the daemon's threads), the error says so
+    and that a given --memory-limit does not grow; with one, the same system mounts."""
+    ceiling, base = default_memory_ceiling(), default_memory_limit()
+    if ceiling <= base:
+        pytest.skip("the default budget cannot grow on this machine")
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(_ARENA_LIMIT)
+    path = os.pathsep.join(p for p in (str(hook), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path, "OBJFS_TEST_ARENA_LIMIT": str(base)}
+    args = ["mount", f"s3://{bucket}", str(mnt), "--endpoint-url", s3_server.url]
+    for mode in ((), ("--foreground",)):
+        line = _one_line(run_objfs(*args, *mode, env=env), 2)
+        assert line == (
+            f"objfs: error: the system refused {ceiling >> 20}M of address space for the "
+            f"default memory budget ({base >> 20}M, which grows up to that while several "
+            f"processes read one file; {os.strerror(errno.ENOMEM)}): give --memory-limit, "
+            "which never grows (see free -h, ulimit -v and the cgroup's limit)"
+        ), line
+    res = run_objfs(*args, "--memory-limit", f"{base >> 20}M", env=env)
+    try:
+        assert res.returncode == 0, res.stderr
+        assert mount_entry(str(mnt)) is not None
+    finally:
+        subprocess.run(["fusermount3", "-u", str(mnt)], check=False, capture_output=True)
 
 
 _INJECT = """
