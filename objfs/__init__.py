@@ -76,8 +76,8 @@ reservation, given back exactly once, whatever happens), to a live block (cached
 while the disk writer still holds it), or to a reply being assembled (a read across blocks whose
 buffers are not adjacent, a random read fetched around the cache: these have a share of the
 budget, a sixteenth of it between 1 and 16 MiB, and wait when it is full). The default budget
-grows while several handles read one large file (N handles: N times, at most 4 times and a
-quarter of memory), since tensor-parallel ranks each read their part of every tensor and the
+grows while a large file is open several times (times the opens of large files, at most 4
+times and a quarter of memory), since tensor-parallel ranks each read their part of every tensor and the
 parts fetched for the slower ranks wait in memory; it shrinks as they close, evicting what no
 open handle will read and giving the grown slots' memory back. Block buffers are
 slots of one arena, and a fetch takes adjacent slots for its part, so most reads across two
