@@ -81,9 +81,8 @@ times and a quarter of memory), since tensor-parallel ranks each read their part
 tensor and the parts fetched for the slower ranks wait in memory; it shrinks as they close,
 evicting what no open handle will read and giving the grown slots' memory back. Block
 buffers are slots of one arena, and a fetch takes adjacent slots for its part, so most reads
-across two
-blocks (the kernel's requests are not block-aligned) are answered with one view of both, without
-a copy (``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks
+across two blocks (the kernel's requests are not block-aligned) are answered with one view of
+both, without a copy (``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks
 the kernel for transparent huge pages (``MADV_HUGEPAGE``; it gets them where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``): every byte is
 pinned by the kernel page by page twice, by the socket receive or the disk cache's ``O_DIRECT``

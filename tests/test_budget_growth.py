@@ -12,6 +12,7 @@ budget and the bytes charged against it after every step of random programs.
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 
 import trio
@@ -24,20 +25,25 @@ from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_l
 from objfs.fs import FileSystem
 from objfs.inodes import ROOT_INODE
 from objfs.options import build_parser, mount_config
-from tests.helpers.rss import smaps_field
 from tests.test_read_path import config, open_file, settle
 
 MiB = 1024 * 1024
 
 
 def _arena_rss(pool: BufferPool) -> int:
-    """Resident bytes of ``pool``'s arena (from /proc/self/smaps)."""
+    """Resident bytes of ``pool``'s arena, page by page (mincore(2); smaps would count the
+    whole mapping, which the kernel may have merged with its neighbours)."""
     first_byte = ctypes.c_char.from_buffer(pool._arena)
     address = ctypes.addressof(first_byte)
     del first_byte  # it holds an export of the arena
-    value, unit = smaps_field(address, "Rss")
-    assert unit == "kB", unit
-    return int(value) * 1024
+    size = len(pool._arena)
+    pages = (size + mmap.PAGESIZE - 1) // mmap.PAGESIZE
+    vec = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    if libc.mincore(ctypes.c_void_p(address), ctypes.c_size_t(size), vec) != 0:
+        raise OSError(ctypes.get_errno(), "mincore")
+    return sum(b & 1 for b in vec) * mmap.PAGESIZE
 
 
 def test_a_pool_hands_out_its_active_slots_only_and_gives_the_others_memory_back() -> None:
