@@ -76,26 +76,26 @@ reservation, given back exactly once, whatever happens), to a live block (cached
 while the disk writer still holds it), or to a reply being assembled (a read across blocks whose
 buffers are not adjacent, a random read fetched around the cache: these have a share of the
 budget, a sixteenth of it between 1 and 16 MiB, and wait when it is full). The default budget
-grows while a large file is open several times (times the opens of large files, at most 4
-times and a quarter of memory), since tensor-parallel ranks each read their part of every
-tensor and the parts fetched for the slower ranks wait in memory; it shrinks as they close,
-evicting what no open handle will read and giving the grown slots' memory back. Block
-buffers are slots of one arena, and a fetch takes adjacent slots for its part, so most reads
-across two blocks (the kernel's requests are not block-aligned) are answered with one view of
-both, without a copy (``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks
-the kernel for transparent huge pages (``MADV_HUGEPAGE``; it gets them where
+grows while a large file is open several times (times the opens of large files, at most 4 times
+and a quarter of memory), since tensor-parallel ranks each read their part of every tensor and
+the parts fetched for the slower ranks wait in memory; it shrinks as they close, evicting what
+no open handle will read and giving the grown slots' memory back. Block buffers are slots of one
+arena, and a fetch takes adjacent slots for its part, so most reads across two blocks (the
+kernel's requests are not block-aligned) are answered with one view of both, without a copy
+(``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks the
+kernel for transparent huge pages (``MADV_HUGEPAGE``; it gets them where
 ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` or ``always``): every byte is
 pinned by the kernel page by page twice, by the socket receive or the disk cache's ``O_DIRECT``
 read and by the FUSE reply, so 2 MiB pages save most of the daemon's page faults (figures in
-tests/benchmarks/README.md). Read-ahead waits for memory instead of
-evicting a block a reader has not read to its end, so the daemon stays within its budget; a
-reader's own fetch never waits on read-ahead. When the last handle of a file closes, its queued
-read-ahead is cancelled and its unread blocks are evicted before anything else (a loader that
-opens a shard for its header and again for its data still finds them). Blocks already read are
-kept only up to a quarter of the budget: the kernel's page cache holds them. They go least
-recently used first, but one the disk-cache writer still holds stays (evicting it would free no
-memory, and another reader that needs it before it is on disk would fetch it from the store
-again), and one already on disk goes before an older one that is not.
+tests/benchmarks/README.md). Read-ahead waits for memory instead of evicting a block a reader
+has not read to its end, so the daemon stays within its budget; a reader's own fetch never waits
+on read-ahead. When the last handle of a file closes, its queued read-ahead is cancelled and its
+unread blocks are evicted before anything else (a loader that opens a shard for its header and
+again for its data still finds them). Blocks already read are kept only up to a quarter of the
+budget: the kernel's page cache holds them. They go least recently used first, but one the
+disk-cache writer still holds stays (evicting it would free no memory, and another reader that
+needs it before it is on disk would fetch it from the store again), and one already on disk goes
+before an older one that is not.
 
 """
 
