@@ -354,11 +354,7 @@ class BlockCache:
         evicted = self.evictions
         while self._charged > self.capacity_bytes and self._evict_one(demand=False):
             pass
-        while self._used_bytes > self.used_limit_bytes:
-            victim = self._used_victim()
-            if victim is None:
-                break
-            self._evict_from(self._used, victim)
+        self._trim_used()
         active = self.pool.active
         for blocks in (self._orphans, self._used):
             for key in [k for k, b in blocks.items() if not b.pins and _slot(b) >= active]:
@@ -509,10 +505,13 @@ class BlockCache:
         self._used[key] = block
         block.used = True
         self._used_bytes += len(block)
-        # Over the used cap: drop the least recently used (never a block just read). The cap
-        # is soft: blocks the disk writer pins stay until it lets them go.
+        self._trim_used(spare=key)  # never the block just read
+
+    def _trim_used(self, spare: BlockKey | None = None) -> None:
+        """Over the used cap: drop the least recently used (see ``_used_victim``). The cap
+        is soft: blocks the disk writer pins stay until it lets them go."""
         while self._used_bytes > self.used_limit_bytes:
-            victim = self._used_victim(spare=key)
+            victim = self._used_victim(spare)
             if victim is None:
                 break
             self._evict_from(self._used, victim)

@@ -352,7 +352,7 @@ class MountConfig:
     memory_limit_bytes: int = 1 << 30
     # How far the budget may grow while several handles read one large file version
     # (tensor-parallel ranks); None: it stays memory_limit_bytes (an explicit --memory-limit).
-    # See default_memory_ceiling() and objfs.fs.FileSystem.fit_budget.
+    # See default_memory_ceiling() and objfs.fs.FileSystem._fit_budget.
     memory_ceiling_bytes: int | None = None
     # First read-ahead window of a stream, doubled per sequential read (Mountpoint starts at
     # about 1 MiB too).

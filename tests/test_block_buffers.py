@@ -30,7 +30,6 @@ from objfs.config import MountConfig
 from objfs.disk_cache import DiskCache
 from objfs.fs import FileSystem
 from objfs.inodes import ROOT_INODE
-from tests.helpers.rss import smaps_field
 from tests.test_read_path import config as read_path_config
 from tests.test_read_path import disk_cache
 
@@ -431,6 +430,20 @@ def test_a_run_gets_adjacent_slots_and_runs_follow_each_other() -> None:
     assert pool.in_use == 0
 
 
+def _vm_flags(address: int) -> list[str]:
+    """The VmFlags of this process's mapping that holds ``address`` (from /proc/self/smaps)."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = start <= address < end
+            elif inside and line.startswith("VmFlags:"):
+                return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
 @pytest.mark.skipif(
     not hasattr(mmap, "MADV_HUGEPAGE") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
     reason="no transparent huge pages in this kernel",
@@ -444,7 +457,7 @@ def test_the_arena_asks_for_transparent_huge_pages() -> None:
     first_byte = ctypes.c_char.from_buffer(buf.view)
     address = ctypes.addressof(first_byte)
     del first_byte  # it holds an export of the buffer
-    flags = smaps_field(address, "VmFlags")
+    flags = _vm_flags(address)
     assert "hg" in flags, flags  # MADV_HUGEPAGE took (the kernel decides when to use it)
     pool.release(buf)
 

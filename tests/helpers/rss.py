@@ -1,5 +1,4 @@
-"""The peak resident set size of a process, sampled in a thread while a test runs; and one
-mapping's fields in this process's /proc/self/smaps."""
+"""The peak resident set size of a process, sampled in a thread while a test runs."""
 
 from __future__ import annotations
 
@@ -39,18 +38,3 @@ class PeakRss:
     ) -> None:
         self._done.set()
         self._thread.join()
-
-
-def smaps_field(address: int, field: str) -> list[str]:
-    """The words after ``field:`` in the /proc/self/smaps entry of the mapping that holds
-    ``address`` (e.g. ``Rss`` -> ``["2048", "kB"]``, ``VmFlags`` -> the flags)."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split(" ", 1)[0]
-            if "-" in head and ":" not in head:
-                start, end = (int(x, 16) for x in head.split("-"))
-                inside = start <= address < end
-            elif inside and line.startswith(f"{field}:"):
-                return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}, or its entry has no {field}")
