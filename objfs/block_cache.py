@@ -5,8 +5,7 @@ fetch in flight) or to a live Block (cached, or evicted but still pinned by the 
 and only a Reservation's or a Block's own methods move bytes into or out of the one counter**
 (``_charged``: reserved plus cached plus held bytes). So every pooled buffer in use is inside
 ``capacity_bytes``, the disk tier's write queue included (the capacity when the bytes were
-reserved: a budget that shrinks leaves them over it until they are read or unpinned, see
-``set_budget``).
+reserved: a budget that shrinks can leave them over it for a while, see ``set_budget``).
 
 * A fetch reserves bytes first (``reserve``/``try_reserve`` return a :class:`Reservation`),
   then claims the blocks it will fill. ``put`` moves one block's bytes from the reservation to
@@ -312,7 +311,13 @@ class BlockCache:
     def _unpinned(self, block: Block) -> None:
         """A cached block the disk writer let go of is evictable now, though no memory was
         freed yet: a used one by any fetch (see ``_used_victim``), so the read-ahead queue is
-        woken too; a fresh one only by a reader's own fetch (see ``_unread_victim``)."""
+        woken too; a fresh one only by a reader's own fetch (see ``_unread_victim``). What a
+        shrunk budget kept only because it was pinned goes now: a used block or an orphan
+        whose buffer lies past the budget's slots, and used blocks over their cap."""
+        if _slot(block) >= self.pool.active:
+            self._fit()
+        elif block.used:
+            self._trim_used()
         if block.used:
             self._wake()
         else:
@@ -329,12 +334,15 @@ class BlockCache:
 
         At a smaller or the same budget, orphans and used blocks are evicted at once down to
         the capacity and the used blocks' cap, and so are those whose buffers lie in slots
-        past the budget's (their memory goes back to the system): what stays of a grown
-        budget is only fresh blocks that open handles will read and blocks the disk writer
-        pins, and an idle daemon does not keep the rest until its next fetch (this runs at
-        every open and release, so the last close of a shared version counts too). Until
-        the bytes charged fit, reservations wait as at any budget (a reader's own fetch
-        passes when nothing else is reserved)."""
+        past the budget's (their memory goes back to the system once the budget stays
+        shrunk a moment, ``FileSystem._give_back_later``): an idle daemon does not keep them
+        until its next fetch (this runs at every open and release, so the last
+        close of a shared version counts too). What stays of a grown budget: fresh blocks
+        that open handles will read (they go as any block, once read), blocks the disk
+        writer pins (they go when it lets them go, ``_unpinned``), and orphans of fetches
+        still in flight (they go first at the next fetch, open or release). Until the bytes
+        charged fit, reservations wait as at any budget (a reader's own fetch passes when
+        nothing else is reserved)."""
         budget = min(max(budget_bytes, self.base_budget_bytes), self.ceiling_bytes)
         if budget != self.budget_bytes:
             grew = budget > self.budget_bytes
@@ -345,6 +353,11 @@ class BlockCache:
             if grew:
                 self._wake()
                 return
+        self._fit()
+
+    def _fit(self) -> None:
+        """Evict orphans and used blocks down to the capacity and the used blocks' cap, and
+        those whose buffers lie in slots past the budget's; never a pinned one."""
         if (
             self._charged <= self.capacity_bytes
             and self._used_bytes <= self.used_limit_bytes

@@ -45,9 +45,11 @@ class BufferPool:
 
     The arena may be mapped larger than it is used (``reserve_mapped`` slots): only the first
     ``active`` slots are handed out (``set_active``, as the block cache's budget grows and
-    shrinks). Slots past ``active`` hold no memory once free: they are given back to the
-    system (``MADV_DONTNEED``) when ``active`` shrinks below them, or when they are released
-    after that, so the memory of a grown budget goes back to the system with the budget.
+    shrinks). Slots past ``active`` give their memory back to the system
+    (``MADV_DONTNEED``) when ``give_back`` is called after ``active`` shrank below them (the
+    file system waits a moment first: a budget that shrinks for an instant and grows again
+    would fault the same memory in again), and when they are released after that, so the
+    memory of a grown budget goes back to the system with the budget.
 
     Invariant: a slot is either free (in ``_free``) or owned by exactly one ``Buffer`` handed
     out and not yet released; ``release`` of a buffer twice raises (arena slot or not).
@@ -76,27 +78,38 @@ class BufferPool:
         self._all = memoryview(self._arena)
         self._free = bytearray(b"\x01") * self.max_mapped  # 1: the slot is free
         self._cursor = 0  # where the next run's search starts
+        # Slots past `active` were given back since it last shrank: so are those released.
+        self._settled = True
         self._lock = threading.Lock()
         self.in_use = 0  # buffers handed out and not released (arena or own mapping)
         self.overflow = 0  # buffers that got a mapping of their own (arena full)
 
     def set_active(self, count: int) -> None:
-        """Hand out the first ``count`` slots of the arena (at most its mapped slots); free
-        slots past it give their memory back to the system now, slots in use when released."""
+        """Hand out the first ``count`` slots of the arena (at most its mapped slots). Slots
+        past it keep their memory until ``give_back``."""
         count = max(1, min(count, self.max_mapped))
         with self._lock:
             old, self.active = self.active, count
-            if count >= old:
-                return
-            self._cursor = min(self._cursor, count)
+            if count < old:
+                self._cursor = min(self._cursor, count)
+                self._settled = False
+
+    def give_back(self) -> int:
+        """Give the memory of the free slots past ``active`` back to the system, and of those
+        past it released from now on (until ``active`` shrinks again); the slots given back."""
+        with self._lock:
+            self._settled = True
+            given = 0
             first = None
-            for slot in range(count, old + 1):
-                if slot < old and self._free[slot]:
+            for slot in range(self.active, self.max_mapped + 1):
+                if slot < self.max_mapped and self._free[slot]:
                     if first is None:
                         first = slot
                 elif first is not None:
                     self._give_back(first, slot - first)
+                    given += slot - first
                     first = None
+            return given
 
     def past_active(self) -> int:
         """Buffers in use in slots past ``active`` (handed out before it shrank)."""
@@ -161,7 +174,7 @@ class BufferPool:
                 if self._free[buf.slot]:
                     raise AssertionError(f"buffer slot {buf.slot} released twice")
                 self._free[buf.slot] = 1
-                if buf.slot >= self.active:
+                if buf.slot >= self.active and self._settled:
                     self._give_back(buf.slot, 1)
             self.in_use -= 1
         buf.slot = _RELEASED

@@ -49,6 +49,11 @@ from objfs.scheduler import Fetcher, ceil_div
 _WHOLE_CHECKS = 2
 
 
+#: How long a shrunk memory budget keeps its grown slots' memory before giving it back to the
+#: system (``FileSystem._give_back_later``).
+GIVE_BACK_DELAY_S = 2.0
+
+
 class FileSystem:
     """Read-only tree over one backend. Call :meth:`start` with a nursery before reading."""
 
@@ -104,6 +109,11 @@ class FileSystem:
         self._handles: dict[int, Handle] = {}
         self._dir_handles: dict[int, DirHandle] = {}
         self._next_fh = 1
+        # The budget's growth: how many budgets the large handles get (see _fit_budget), and
+        # when it last shrank (trio's clock; None: its memory was given back since).
+        self._readers = 1
+        self._shrunk_at: float | None = None
+        self._nursery: trio.Nursery | None = None
         # Passthrough checks (see whole_on_disk): one per version at a time, on threads of
         # their own (a first check reads a whole version; ordinary disk reads never wait
         # behind it).
@@ -112,8 +122,9 @@ class FileSystem:
         self.empty_source = False  # SOURCE held no object at mount (see mount.serve_async)
 
     def start(self, nursery: trio.Nursery) -> None:
-        """Give the file system a nursery for read-ahead and disk-cache tasks."""
+        """Give the file system a nursery for read-ahead, disk-cache and memory tasks."""
         self.fetcher.start(nursery)
+        self._nursery = nursery
 
     # -- metadata (objfs.namespace) ---------------------------------------------------------
 
@@ -248,40 +259,93 @@ class FileSystem:
         self._handles[fh] = handle
         self.cache.open_version(handle.key, handle.etag)
         self._fit_budget()
-        if prefetch and first_open and node.key.endswith(self.config.prefetch_on_open_suffixes):
-            whole = readahead.start_whole_file()
-            if whole is not None:
-                # Not tied to this handle: loaders often open a shard once for its header and
-                # again for its data, and the prefetch should outlive the first open. Its
-                # blocks still belong to the version's handles: if they all close first, the
-                # blocks go first when memory is short (see objfs.block_cache).
-                self.fetcher.prefetch(
-                    handle, whole, cancellable=False, stream=readahead.last_stream
-                )
+        if prefetch and first_open:
+            self._prefetch_on_open(handle)
         return fh, keep_cache
+
+    def served_after_all(self, fh: int) -> None:
+        """An open made with ``prefetch=False`` was answered as a cached open after all (the
+        kernel refused the backing file, or the inode's passthrough opens ended meanwhile):
+        its reads come to objfs, so it counts for the budget (``_fit_budget``) and, alone on
+        its file, gets the prefetch on open."""
+        handle = self._handle(fh)
+        if handle.fetches:
+            return
+        handle.fetches = True
+        self._fit_budget()
+        if handle.node.opens == 1:
+            self._prefetch_on_open(handle)
+
+    def _prefetch_on_open(self, handle: Handle) -> None:
+        """Fetch the whole file ahead where its name asks for it (``--prefetch-on-open``)."""
+        if not handle.key.endswith(self.config.prefetch_on_open_suffixes):
+            return
+        whole = handle.readahead.start_whole_file()
+        if whole is not None:
+            # Not tied to this handle: loaders often open a shard once for its header and
+            # again for its data, and the prefetch should outlive the first open. Its blocks
+            # still belong to the version's handles: if they all close first, the blocks go
+            # first when memory is short (see objfs.block_cache).
+            self.fetcher.prefetch(
+                handle, whole, cancellable=False, stream=handle.readahead.last_stream
+            )
 
     def _fit_budget(self) -> None:
         """Size the memory budget for the open handles, then share its read-ahead part.
 
-        While some large version (more than a part) has several handles that read through
-        objfs (not passthrough: the kernel reads those itself), such as tensor-parallel ranks
-        or forked workers, the budget is its base times the number of such handles on large
-        versions, at most ``MEMORY_GROWTH`` times and at most ``memory_ceiling_bytes`` (None:
-        it never grows). Each rank's part of a tensor waits in memory until that rank reaches
-        it, so the blocks held grow with the ranks' drift, which a base budget for one reader
-        did not hold (see ``config.default_memory_ceiling``). All large handles count, not
-        only one version's: ranks that straddle two shards (three on one, the leader on the
-        next) need as much. Once no version is shared, the budget is back to its base and
-        what no open handle will read is evicted (``BlockCache.set_budget``)."""
+        The budget grows when some large version (more than a part) has several handles
+        that read through objfs (not passthrough: the kernel reads those itself), such as
+        tensor-parallel ranks: to its base times the number of handles on large versions, at
+        most ``MEMORY_GROWTH`` times and at most ``memory_ceiling_bytes`` (None: it never
+        grows). Each rank's part of a tensor waits in memory until that rank reaches it, so
+        the blocks held grow with the ranks' drift, which a base budget for one reader did
+        not hold (see ``config.default_memory_ceiling``).
+
+        Once grown, it never steps down while two or more large handles are open, shared or
+        not; it goes back to its base when at most one is left. Ranks move from shard to
+        shard (a close, then an open: a handle fewer for a moment) and straddle two shards
+        (nothing shared while each is on its own), and every step down gave the grown slots'
+        memory back to the system only for the next step up to fault it in again (figures in
+        tests/benchmarks/README.md). Back at its base, what no open handle will read is
+        evicted (``BlockCache.set_budget``)."""
         big = [
             h for h in self._handles.values() if h.fetches and h.size > self.config.part_size_bytes
         ]
         ceiling = self.config.memory_ceiling_bytes
         if ceiling is not None:
-            shared = max(Counter((h.key, h.etag) for h in big).values(), default=0) > 1
-            readers = min(len(big), MEMORY_GROWTH) if shared else 1
-            self.cache.set_budget(min(ceiling, self.config.memory_limit_bytes * readers))
+            if len(big) <= 1:
+                self._readers = 1
+            elif max(Counter((h.key, h.etag) for h in big).values()) > 1:
+                self._readers = max(self._readers, min(len(big), MEMORY_GROWTH))
+            before = self.cache.budget_bytes
+            self.cache.set_budget(min(ceiling, self.config.memory_limit_bytes * self._readers))
+            if self.cache.budget_bytes < before:
+                self._give_back_later()
         self._share_windows(big)
+
+    def _give_back_later(self) -> None:
+        """Give the shrunk budget's slots back to the system (``BufferPool.give_back``) once
+        it has not shrunk for ``GIVE_BACK_DELAY_S``: two ranks moving from shard to shard
+        leave one large handle for an instant (a close, then an open), and memory given back
+        then would be faulted in again at once."""
+        pending = self._shrunk_at is not None
+        self._shrunk_at = trio.current_time()
+        if self._nursery is None:
+            self._give_back_now()
+        elif not pending:
+            self._nursery.start_soon(self._give_back_when_settled)
+
+    async def _give_back_when_settled(self) -> None:
+        while self._shrunk_at is not None:
+            wait = self._shrunk_at + GIVE_BACK_DELAY_S - trio.current_time()
+            if wait <= 0:
+                self._give_back_now()
+                return
+            await trio.sleep(wait)
+
+    def _give_back_now(self) -> None:
+        self._shrunk_at = None
+        self.cache.pool.give_back()
 
     def _share_windows(self, big: list[Handle]) -> None:
         """Split the read-ahead share of the budget (``readahead_max``, about half) among the

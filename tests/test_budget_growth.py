@@ -15,6 +15,7 @@ import ctypes
 import mmap
 import os
 
+import pytest
 import trio
 import trio.testing
 
@@ -22,7 +23,7 @@ from objfs.backends.memory import MemoryBackend
 from objfs.block_cache import BlockCache, BlockKey
 from objfs.buffer_pool import BufferPool
 from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_limit
-from objfs.fs import FileSystem
+from objfs.fs import GIVE_BACK_DELAY_S, FileSystem
 from objfs.inodes import ROOT_INODE
 from objfs.options import build_parser, mount_config
 from tests.test_read_path import config, open_file, settle
@@ -57,7 +58,9 @@ def test_a_pool_hands_out_its_active_slots_only_and_gives_the_others_memory_back
     assert _arena_rss(pool) >= 12 * MiB
     for buf in held[2:10]:
         pool.release(buf)
-    pool.set_active(4)  # slots 4-9 are free: their memory goes back now
+    pool.set_active(4)  # slots 4-9 are free: they keep their memory until give_back
+    assert _arena_rss(pool) >= 12 * MiB
+    assert pool.give_back() == 10  # slots 4-9, and 12-15 (never used)
     assert _arena_rss(pool) <= 6 * MiB + 2 * MiB  # slots 0, 1, 10, 11 (a huge page of slack)
     again = pool.acquire_run(3)  # slots 2-3 are the only free active ones: one is own-mapped
     assert sorted(b.slot for b in again) == [-1, 2, 3]
@@ -192,10 +195,10 @@ async def test_handles_sharing_one_large_version_grow_the_budget_until_they_clos
     a.append(await open_file(fs, "a.bin"))
     assert budget() == 48 * MiB  # a shared: the three large handles count
     fs.release(b.pop())
-    assert budget() == 32 * MiB
+    assert budget() == 48 * MiB  # never a step down while two large handles are open
     # The read-ahead share of the grown budget, split between the two large handles.
-    assert fs._handles[a[0]].readahead.max_window == fs.config.readahead_max(32 * MiB) // 2
-    assert fs.config.readahead_max(32 * MiB) // 2 > fs.config.readahead_max() // 2
+    assert fs._handles[a[0]].readahead.max_window == fs.config.readahead_max(48 * MiB) // 2
+    assert fs.config.readahead_max(48 * MiB) // 2 > fs.config.readahead_max() // 2
     # Four ranks moving from shard a to shard b: 2 + 2, then 1 + 3, keep the whole growth.
     a += [await open_file(fs, "a.bin") for _ in range(2)]
     assert budget() == 64 * MiB
@@ -212,6 +215,93 @@ async def test_handles_sharing_one_large_version_grow_the_budget_until_they_clos
         fs.release(fh)
     assert budget() == 16 * MiB
     assert fs.cache.pool.active == 16
+
+
+async def test_a_grown_budget_holds_its_slots_while_two_large_handles_stay_open(
+    nursery: trio.Nursery, autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ranks straddling two shards (nothing shared for a moment) and moving from shard to
+    shard (a close, then an open): the budget never steps down while two large handles are
+    open, and when it does (two ranks leave one handle for an instant) the grown slots keep
+    their memory until the budget has stayed down ``GIVE_BACK_DELAY_S``: each step down
+    used to give them back to the system, for the next step up to fault them in again."""
+    backend = MemoryBackend()
+    for name in ("a.bin", "b.bin"):
+        backend.put(f"p/{name}", os.urandom(8 * MiB))
+    fs = _fs(backend, nursery, ceiling=64 * MiB)
+    given_back: list[int] = []
+    pool_give_back = fs.cache.pool._give_back
+
+    def give_back(slot: int, count: int) -> None:
+        given_back.append(count)
+        pool_give_back(slot, count)
+
+    monkeypatch.setattr(fs.cache.pool, "_give_back", give_back)
+    budget = lambda: fs.cache.budget_bytes  # noqa: E731
+    a = [await open_file(fs, "a.bin") for _ in range(3)]
+    assert budget() == 48 * MiB
+    b = [await open_file(fs, "b.bin")]  # the leader on the next shard: 4 large handles
+    assert budget() == 64 * MiB
+    for _ in range(2):  # the others follow: 3, 4, 3, 4 large handles
+        fs.release(a.pop())
+        assert budget() == 64 * MiB
+        b.append(await open_file(fs, "b.bin"))
+        assert budget() == 64 * MiB
+    fs.release(b.pop())
+    fs.release(b.pop())  # one on a, one on b: nothing shared, two large handles
+    assert budget() == 64 * MiB
+    assert fs.cache.pool.active == 64
+    fs.release(a.pop())  # one large handle left: back to the base at once ...
+    assert (budget(), fs.cache.pool.active) == (16 * MiB, 16)
+    await trio.sleep(GIVE_BACK_DELAY_S / 2)
+    a = [await open_file(fs, "a.bin") for _ in range(2)]  # ... a new episode
+    assert budget() == 48 * MiB
+    fs.release(a.pop())
+    fs.release(a.pop())  # back to the base again, the same moment
+    await trio.sleep(GIVE_BACK_DELAY_S * 0.9)
+    assert given_back == []  # ... but the memory stays until the budget stays down
+    await trio.sleep(GIVE_BACK_DELAY_S * 0.2)
+    assert given_back != []
+    released_after = len(given_back)
+    fs.release(b.pop())  # nothing large left
+    assert len(given_back) == released_after  # no block of it was in a grown slot
+
+
+def test_a_block_kept_past_a_shrink_while_pinned_goes_when_unpinned() -> None:
+    """Used blocks the disk writer pinned when the budget shrank stay cached (their memory is
+    not free yet; pinned orphans are evicted but held), and go as soon as it lets them go: an
+    idle daemon keeps none of them in a grown slot, nor used blocks over their cap."""
+    cache = BlockCache(8 * MiB, 2 * MiB, reply_bytes=MiB, ceiling_bytes=32 * MiB)
+    cache.set_budget(32 * MiB)
+    cache.open_version("k", "e")
+    cache.open_version("gone", "e")
+    read = _keys(12)
+    orphans = [BlockKey("gone", "e", n) for n in range(4)]
+    for keys in (read, orphans):
+        reservation = cache.try_reserve(len(keys) * MiB, demand=False)
+        assert reservation is not None
+        assert cache.claim(keys) == keys
+        for key, block in zip(keys, cache.new_blocks([MiB] * len(keys)), strict=True):
+            cache.put(key, block, reservation)
+        cache.finish(keys)
+    for key in read:
+        assert cache.get_nowait(key) is not None
+    pinned = [cache.peek(k) for k in [*read[-4:], *orphans]]  # read: slots 8-11; orphans 12-15
+    for block in pinned:
+        assert block is not None
+        block.pin()
+    cache.close_version("gone", "e")
+    cache.set_budget(8 * MiB)
+    assert [cache.peek(k) is not None for k in read] == [False] * 8 + [True] * 4
+    assert all(cache.peek(k) is None for k in orphans)  # evicted, held while pinned
+    assert cache.pool.past_active() == 8
+    for block in pinned:
+        assert block is not None
+        block.unpin()
+    assert all(cache.peek(k) is None for k in [*read, *orphans])
+    assert cache.pool.past_active() == 0
+    assert cache.pool.in_use == 0
+    assert cache.used_bytes == 0
 
 
 async def test_the_last_close_of_a_shared_version_gives_back_its_unread_blocks(
@@ -252,6 +342,31 @@ async def test_passthrough_handles_do_not_grow_the_budget(nursery: trio.Nursery)
     fh = await open_file(fs, "a.bin")
     assert fs.cache.budget_bytes == 16 * MiB
     assert fs._handles[fh].readahead.max_window == fs.config.readahead_max()
+
+
+async def test_an_open_meant_for_passthrough_but_served_counts_and_prefetches(
+    nursery: trio.Nursery,
+) -> None:
+    """An open made with ``prefetch=False`` that the kernel transport answered cached after
+    all (its backing file refused) reads through objfs: it grows the budget with the other
+    handles, and gets the file's prefetch on open when it is the file's only open."""
+    backend = MemoryBackend()
+    backend.put("p/m.safetensors", os.urandom(8 * MiB))
+    fs = _fs(backend, nursery, ceiling=64 * MiB)
+    node = await fs.lookup(ROOT_INODE, b"m.safetensors")
+    first, _ = await fs.open(node.inode, os.O_RDONLY, prefetch=False)
+    await settle()
+    assert backend.requests["get_bytes"] == 0
+    fs.served_after_all(first)
+    await settle()
+    assert fs._handles[first].fetches
+    assert backend.requests["get_bytes"] == 8 * MiB  # the whole file, fetched ahead
+    second, _ = await fs.open(node.inode, os.O_RDONLY, prefetch=False)
+    assert fs.cache.budget_bytes == 16 * MiB
+    fs.served_after_all(second)
+    assert fs.cache.budget_bytes == 32 * MiB
+    fs.served_after_all(second)  # once only
+    assert fs.cache.budget_bytes == 32 * MiB
 
 
 async def test_an_explicit_memory_limit_never_grows(nursery: trio.Nursery) -> None:

@@ -558,6 +558,8 @@ class KernelSession:
         if backing_id is not None:
             self.passthrough_opens += 1
             return rp.open_out(fh, p.FOPEN_PASSTHROUGH, backing_id)
+        if not prefetch:
+            self.fs.served_after_all(fh)
         # Never DIRECT_IO: it would break mmap, which safetensors uses.
         return rp.open_out(fh, p.FOPEN_KEEP_CACHE if keep_cache else 0)
 
