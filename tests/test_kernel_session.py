@@ -268,6 +268,47 @@ def test_an_inode_open_by_passthrough_stays_so_until_its_last_release(
     assert not _is_open(d)
 
 
+async def test_an_open_whose_backing_file_is_refused_reads_through_objfs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The disk tier holds the version whole, but the kernel refuses its backing file (no
+    memory for it): the open is answered cached, and its handle then counts as one that
+    reads through objfs (the budget's growth, the prefetch on open), as a cached open would
+    from the start."""
+    from objfs.kernel import passthrough
+
+    def short_of_memory(self: object, dev_fd: int, backing_fd: int) -> int:
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(passthrough.Registrar, "open", short_of_memory)
+    backend = MemoryBackend()
+    backend.put("p/m.safetensors", os.urandom(8 * MiB))
+    session = make_session(backend)
+    session.passthrough = True
+    files: list[int] = []
+
+    async def whole_on_disk(inode: int) -> int:
+        r, w = os.pipe()
+        os.close(w)
+        files.append(r)
+        return r
+
+    monkeypatch.setattr(session.fs, "whole_on_disk", whole_on_disk)
+    async with trio.open_nursery() as nursery:
+        session.fs.start(nursery)
+        node = await session.fs.lookup(ROOT_INODE, b"m.safetensors")
+        reply = await session._open(node.inode, os.O_RDONLY)
+        fh, flags, backing_id = struct.unpack("<QII", reply)
+        assert (flags, backing_id) == (p.FOPEN_KEEP_CACHE, 0)
+        assert len(files) == 1 and not _is_open(files[0])
+        assert session.fs._handles[fh].fetches
+        with trio.fail_after(5):
+            while backend.requests["get_bytes"] < 8 * MiB:  # the prefetch on open
+                await trio.sleep(0.01)
+        session.fs.release(fh)
+        nursery.cancel_scope.cancel()
+
+
 def test_a_refusal_for_every_file_turns_passthrough_off_with_one_warning(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
