@@ -300,7 +300,8 @@ async def test_an_open_whose_backing_file_is_refused_reads_through_objfs(
         reply = await session._open(node.inode, os.O_RDONLY)
         fh, flags, backing_id = struct.unpack("<QII", reply)
         assert (flags, backing_id) == (p.FOPEN_KEEP_CACHE, 0)
-        assert len(files) == 1 and not _is_open(files[0])
+        assert len(files) == 1
+        assert not _is_open(files[0])  # the descriptor handed over is closed
         assert session.fs._handles[fh].fetches
         with trio.fail_after(5):
             while backend.requests["get_bytes"] < 8 * MiB:  # the prefetch on open
