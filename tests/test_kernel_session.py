@@ -28,6 +28,7 @@ from objfs.fs import FileSystem
 from objfs.inodes import ROOT_INODE
 from objfs.kernel import protocol as p
 from objfs.kernel.session import KernelSession
+from tests.test_read_path import settle
 
 MiB = 1 << 20
 
@@ -303,9 +304,8 @@ async def test_an_open_whose_backing_file_is_refused_reads_through_objfs(
         assert len(files) == 1
         assert not _is_open(files[0])  # the descriptor handed over is closed
         assert session.fs._handles[fh].fetches
-        with trio.fail_after(5):
-            while backend.requests["get_bytes"] < 8 * MiB:  # the prefetch on open
-                await trio.sleep(0.01)
+        await settle()
+        assert backend.requests["get_bytes"] == 8 * MiB  # the prefetch on open
         session.fs.release(fh)
         nursery.cancel_scope.cancel()
 
