@@ -78,8 +78,10 @@ buffers are not adjacent, a random read fetched around the cache: these have a s
 budget, a sixteenth of it between 1 and 16 MiB, and wait when it is full). The default budget
 grows while a large file is open several times (times the opens of large files, at most 4 times
 and a quarter of memory), since tensor-parallel ranks each read their part of every tensor and
-the parts fetched for the slower ranks wait in memory; it shrinks as they close, evicting what
-no open handle will read and giving the grown slots' memory back. Block buffers are slots of one
+the parts fetched for the slower ranks wait in memory; it never steps down while two large
+handles are open (ranks move from shard to shard), and back at its base, once one is left, it
+evicts what no open handle will read and gives the grown slots' memory back after 2 s there
+(a budget that dropped for an instant would fault it in again). Block buffers are slots of one
 arena, and a fetch takes adjacent slots for its part, so most reads across two blocks (the
 kernel's requests are not block-aligned) are answered with one view of both, without a copy
 (``served.spanned`` and ``served.assembled`` in ``objfs status --json``). The arena asks the
