@@ -131,22 +131,29 @@ async def test_a_grown_budget_wakes_a_waiting_fetch_and_a_shrunk_one_reserves_no
     assert cache.statistics()["evicted_unread"] == 0
 
 
-def test_a_shrunk_budget_gives_back_orphans_and_used_blocks_at_once() -> None:
-    """After the handles that grew the budget close, an idle daemon does not keep the grown
-    memory: what no open handle will read goes down to the base capacity and used cap."""
+def _grown_cache(*groups: list[BlockKey]) -> BlockCache:
+    """A cache of 8 MiB grown to 32 MiB, versions "k" and "gone" open, with a 1 MiB block
+    cached for each key of ``groups`` (each group one fetch, in adjacent slots)."""
     cache = BlockCache(8 * MiB, 2 * MiB, reply_bytes=MiB, ceiling_bytes=32 * MiB)
     cache.set_budget(32 * MiB)
     cache.open_version("k", "e")
     cache.open_version("gone", "e")
-    groups = {"read": _keys(10), "fresh": [BlockKey("k", "e", n) for n in range(10, 14)]}
-    groups["orphans"] = [BlockKey("gone", "e", n) for n in range(12)]
-    for keys in groups.values():
+    for keys in groups:
         reservation = cache.try_reserve(len(keys) * MiB, demand=False)
         assert reservation is not None
         assert cache.claim(keys) == keys
         for key, block in zip(keys, cache.new_blocks([MiB] * len(keys)), strict=True):
             cache.put(key, block, reservation)
         cache.finish(keys)
+    return cache
+
+
+def test_a_shrunk_budget_gives_back_orphans_and_used_blocks_at_once() -> None:
+    """After the handles that grew the budget close, an idle daemon does not keep the grown
+    memory: what no open handle will read goes down to the base capacity and used cap."""
+    groups = {"read": _keys(10), "fresh": [BlockKey("k", "e", n) for n in range(10, 14)]}
+    groups["orphans"] = [BlockKey("gone", "e", n) for n in range(12)]
+    cache = _grown_cache(*groups.values())
     for key in groups["read"]:
         assert cache.get_nowait(key) is not None  # used (the cap grew with the budget: 8 MiB)
     cache.close_version("gone", "e")  # its 12 fresh blocks are orphans now
@@ -271,19 +278,9 @@ def test_a_block_kept_past_a_shrink_while_pinned_goes_when_unpinned() -> None:
     """Used blocks the disk writer pinned when the budget shrank stay cached (their memory is
     not free yet; pinned orphans are evicted but held), and go as soon as it lets them go: an
     idle daemon keeps none of them in a grown slot, nor used blocks over their cap."""
-    cache = BlockCache(8 * MiB, 2 * MiB, reply_bytes=MiB, ceiling_bytes=32 * MiB)
-    cache.set_budget(32 * MiB)
-    cache.open_version("k", "e")
-    cache.open_version("gone", "e")
     read = _keys(12)
     orphans = [BlockKey("gone", "e", n) for n in range(4)]
-    for keys in (read, orphans):
-        reservation = cache.try_reserve(len(keys) * MiB, demand=False)
-        assert reservation is not None
-        assert cache.claim(keys) == keys
-        for key, block in zip(keys, cache.new_blocks([MiB] * len(keys)), strict=True):
-            cache.put(key, block, reservation)
-        cache.finish(keys)
+    cache = _grown_cache(read, orphans)
     for key in read:
         assert cache.get_nowait(key) is not None
     pinned = [cache.peek(k) for k in [*read[-4:], *orphans]]  # read: slots 8-11; orphans 12-15
