@@ -330,10 +330,15 @@ class FileSystem:
         then would be faulted in again at once."""
         pending = self._shrunk_at is not None
         self._shrunk_at = trio.current_time()
-        if self._nursery is None:
-            self._give_back_now()
-        elif not pending:
-            self._nursery.start_soon(self._give_back_when_settled)
+        if pending:
+            return
+        if self._nursery is not None:
+            try:
+                self._nursery.start_soon(self._give_back_when_settled)
+                return
+            except RuntimeError:  # its nursery is closed (unmounted): no waiting
+                pass
+        self._give_back_now()
 
     async def _give_back_when_settled(self) -> None:
         while self._shrunk_at is not None:
