@@ -309,16 +309,19 @@ class BlockCache:
             self.on_space()
 
     def _unpinned(self, block: Block) -> None:
-        """A cached block the disk writer let go of is evictable now, though no memory was
-        freed yet: a used one by any fetch (see ``_used_victim``), so the read-ahead queue is
-        woken too; a fresh one only by a reader's own fetch (see ``_unread_victim``). What a
-        shrunk budget kept only because it was pinned goes now: a used block or an orphan
-        whose buffer lies past the budget's slots, and used blocks over their cap."""
+        """A cached block its last holder let go of (the disk writer, a reply written) is
+        evictable now: a used one by any fetch (see ``_used_victim``), so the read-ahead
+        queue is woken too; a fresh one only by a reader's own fetch (see
+        ``_unread_victim``). What was kept only because it was pinned goes now: used blocks
+        over their cap and, after the budget shrank, a used block or an orphan whose buffer
+        lies past the budget's slots; the room that makes wakes the read-ahead queue too."""
+        used = block.used
+        evictions = self.evictions
         if _slot(block) >= self.pool.active:
             self._fit()
-        elif block.used:
+        elif used:
             self._trim_used()
-        if block.used:
+        if used or self.evictions != evictions:
             self._wake()
         else:
             self._wake_waiters()

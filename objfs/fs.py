@@ -341,12 +341,15 @@ class FileSystem:
         self._give_back_now()
 
     async def _give_back_when_settled(self) -> None:
-        while self._shrunk_at is not None:
-            wait = self._shrunk_at + GIVE_BACK_DELAY_S - trio.current_time()
-            if wait <= 0:
+        try:
+            while self._shrunk_at is not None:
+                wait = self._shrunk_at + GIVE_BACK_DELAY_S - trio.current_time()
+                if wait <= 0:
+                    break
+                await trio.sleep(wait)
+        finally:  # also when cancelled (unmount): a later shrink must not find it pending
+            if self._shrunk_at is not None:
                 self._give_back_now()
-                return
-            await trio.sleep(wait)
 
     def _give_back_now(self) -> None:
         self._shrunk_at = None

@@ -26,7 +26,7 @@ from objfs.config import MEMORY_GROWTH, default_memory_ceiling, default_memory_l
 from objfs.fs import GIVE_BACK_DELAY_S, FileSystem
 from objfs.inodes import ROOT_INODE
 from objfs.options import build_parser, mount_config
-from tests.test_read_path import config, open_file, settle
+from tests.test_read_path import config, open_file, read_all, settle
 
 MiB = 1024 * 1024
 
@@ -233,8 +233,9 @@ async def test_a_grown_budget_holds_its_slots_while_two_large_handles_stay_open(
     their memory until the budget has stayed down ``GIVE_BACK_DELAY_S``: each step down
     used to give them back to the system, for the next step up to fault them in again."""
     backend = MemoryBackend()
-    for name in ("a.bin", "b.bin"):
-        backend.put(f"p/{name}", os.urandom(8 * MiB))
+    data = os.urandom(24 * MiB)
+    backend.put("p/a.bin", data)
+    backend.put("p/b.bin", os.urandom(8 * MiB))
     fs = _fs(backend, nursery, ceiling=64 * MiB)
     given_back: list[int] = []
     pool_give_back = fs.cache.pool._give_back
@@ -263,15 +264,62 @@ async def test_a_grown_budget_holds_its_slots_while_two_large_handles_stay_open(
     await trio.sleep(GIVE_BACK_DELAY_S / 2)
     a = [await open_file(fs, "a.bin") for _ in range(2)]  # ... a new episode
     assert budget() == 48 * MiB
+    assert await read_all(fs, a[0], len(data)) == data  # its blocks fill grown slots too
+    assert _arena_rss(fs.cache.pool) >= 24 * MiB
     fs.release(a.pop())
-    fs.release(a.pop())  # back to the base again, the same moment
+    fs.release(a.pop())  # back to the base again: what was in the grown slots is evicted
+    assert fs.cache.pool.past_active() == 0
     await trio.sleep(GIVE_BACK_DELAY_S * 0.9)
     assert given_back == []  # ... but the memory stays until the budget stays down
+    assert _arena_rss(fs.cache.pool) >= 24 * MiB
     await trio.sleep(GIVE_BACK_DELAY_S * 0.2)
     assert given_back != []
-    released_after = len(given_back)
-    fs.release(b.pop())  # nothing large left
-    assert len(given_back) == released_after  # no block of it was in a grown slot
+    assert _arena_rss(fs.cache.pool) <= 16 * MiB + 2 * MiB  # the base's slots (a huge page)
+
+
+async def test_a_give_back_cut_short_by_unmount_still_happens_and_blocks_no_later_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The file system's nursery closes (unmount) while a shrunk budget waits to give its
+    memory back: it is given back then, and a shrink after that gives it back at once."""
+    backend = MemoryBackend()
+    backend.put("p/a.bin", os.urandom(8 * MiB))
+    async with trio.open_nursery() as nursery:
+        fs = _fs(backend, nursery, ceiling=64 * MiB)
+        for fh in [await open_file(fs, "a.bin") for _ in range(2)]:
+            fs.release(fh)
+        assert fs._shrunk_at is not None  # waiting
+        nursery.cancel_scope.cancel()
+    assert fs._shrunk_at is None
+    assert fs.cache.pool._settled
+    for fh in [await open_file(fs, "a.bin") for _ in range(2)]:
+        fs.release(fh)
+    assert fs._shrunk_at is None
+    assert fs.cache.pool._settled
+
+
+def test_a_used_block_unpinned_over_its_cap_goes_and_wakes_the_read_ahead() -> None:
+    """Used blocks the disk writer pins stay over their cap; the one it lets go of is
+    evicted at once, and the room that makes wakes the read-ahead queue (``on_space``),
+    not only the readers' own fetches."""
+    read = _keys(6)
+    cache = _grown_cache(read)
+    cache.set_budget(8 * MiB)  # used cap 2 MiB
+    woken: list[int] = []
+    cache.on_space = lambda: woken.append(1)
+    blocks = [cache.peek(k) for k in read]
+    for block in blocks:
+        assert block is not None
+        block.pin()
+    for key in read:
+        assert cache.get_nowait(key) is not None
+    assert cache.used_bytes == 6 * MiB  # all pinned: over the cap
+    woken.clear()
+    assert blocks[0] is not None
+    blocks[0].unpin()
+    assert cache.peek(read[0]) is None
+    assert cache.used_bytes == 5 * MiB
+    assert woken == [1]
 
 
 def test_a_block_kept_past_a_shrink_while_pinned_goes_when_unpinned() -> None:
