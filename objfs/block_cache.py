@@ -319,7 +319,7 @@ class BlockCache:
         evictions = self.evictions
         if _slot(block) >= self.pool.active:
             self._fit()
-        elif used:
+        elif used and self._used_bytes > self.used_limit_bytes:
             self._trim_used()
         if used or self.evictions != evictions:
             self._wake()
