@@ -233,8 +233,9 @@ class BlockCache:
     the reply buffers' share (:class:`ReplyGate`), by ``budget_bytes`` (``--memory-limit``).
 
     The budget may move between its base and ``ceiling_bytes`` (:meth:`set_budget`). After it
-    shrank, the bytes charged may stay over the new capacity in fresh blocks of open handles
-    and pinned ones (everything else goes at once); reservations then wait as at any budget."""
+    shrank, the bytes charged may stay over the new capacity in fresh blocks of open handles,
+    pinned ones and orphans of fetches still in flight (the rest goes at once, see
+    :meth:`set_budget`); reservations then wait as at any budget."""
 
     def __init__(
         self,
